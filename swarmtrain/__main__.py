@@ -1,0 +1,5 @@
+"""``python -m swarmtrain`` is the ``swarmtrain`` command."""
+
+from swarmtrain.cli import main
+
+main()

@@ -1,0 +1,227 @@
+"""Typed, nested configuration for every swarmtrain command.
+
+Sources, later ones winning: a TOML file (``--config run.toml``), environment variables with the prefix
+``SWARMTRAIN_`` (``SWARMTRAIN_TRAIN__BATCH_SIZE=16``: a double underscore separates sections), and CLI flags
+(``--set train.batch_size=16`` or a command's own flags). Unknown keys are errors wherever they come from.
+Each field's docstring is its help text: ``swarmtrain config`` lists them all.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import os
+import tomllib
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from swarmtrain.errors import ConfigError
+from swarmtrain.fsutil import atomic_write_bytes
+
+ENV_PREFIX = "SWARMTRAIN_"
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_assignment=True)
+
+
+class ModelConfig(_Section):
+    depth: int = Field(4, ge=1, le=256)
+    """Number of transformer blocks."""
+    width: int = Field(128, ge=8, le=16384)
+    """Hidden size of every block (the residual stream width)."""
+    heads: int = Field(4, ge=1)
+    """Attention heads per block; must divide model.width."""
+    context: int = Field(128, ge=2, le=65536)
+    """Context length in bytes (tokens)."""
+    mlp_ratio: int = Field(4, ge=1, le=16)
+    """MLP hidden size as a multiple of model.width."""
+    exits: list[int] = Field(default_factory=list)
+    """Block boundaries (1..depth-1) that host an extra exit (final norm + readout) for local losses."""
+    shared_readout: bool = True
+    """All exits share one readout matrix (the last one); false gives each exit its own."""
+
+    @model_validator(mode="after")
+    def _check(self) -> ModelConfig:
+        if self.width % self.heads:
+            raise ValueError(f"model.width ({self.width}) must be divisible by model.heads ({self.heads})")
+        bad = [e for e in self.exits if not 1 <= e < self.depth]
+        if bad:
+            raise ValueError(f"model.exits {bad} must lie between 1 and model.depth - 1 ({self.depth - 1})")
+        return self
+
+
+class DataConfig(_Section):
+    path: str | None = None
+    """Text file, folder of text files, or enwik8; unset means the Python standard library's source tree."""
+    val_fraction: float = Field(0.05, gt=0.0, lt=0.5)
+    """Share of a corpus held out for validation (whole files for folders; the tail for a single file)."""
+    cache_dir: str | None = None
+    """Where a folder corpus is packed into one memory-mapped file; unset means ~/.cache/swarmtrain."""
+
+
+class TrainConfig(_Section):
+    batch_size: int = Field(32, ge=1)
+    """Sequences per inner step."""
+    lr: float = Field(3e-3, gt=0.0)
+    """Peak AdamW learning rate."""
+    min_lr_ratio: float = Field(0.1, ge=0.0, le=1.0)
+    """The cosine schedule decays to lr * min_lr_ratio at train.max_steps."""
+    warmup_steps: int = Field(100, ge=0)
+    """Linear warm-up steps."""
+    weight_decay: float = Field(0.1, ge=0.0)
+    """AdamW weight decay on matrices (not on norms, biases or embeddings)."""
+    beta1: float = Field(0.9, ge=0.0, lt=1.0)
+    """AdamW beta1."""
+    beta2: float = Field(0.95, ge=0.0, lt=1.0)
+    """AdamW beta2."""
+    grad_clip: float = Field(1.0, ge=0.0)
+    """Clip the gradient norm to this value; 0 disables clipping."""
+    max_steps: int = Field(3000, ge=1)
+    """Stop after this many steps."""
+    max_time: float | None = Field(None, gt=0.0)
+    """Stop after this many seconds of training (evaluation not counted); unset means no time budget."""
+    eval_every: int = Field(250, ge=1)
+    """Evaluate held-out bits per byte every this many steps."""
+    eval_batches: int = Field(16, ge=1)
+    """Batches of train.batch_size windows in each evaluation (the same windows every time)."""
+    checkpoint_every: int = Field(250, ge=1)
+    """Write a checkpoint every this many steps (and at the end)."""
+    keep_checkpoints: int = Field(2, ge=1)
+    """How many recent checkpoints to keep."""
+    log_every: int = Field(10, ge=1)
+    """Update the progress display every this many steps."""
+    seed: int = 0
+    """Seed for initialisation and data windows; the same seed gives the same run."""
+    threads: int = Field(0, ge=0)
+    """torch threads for compute; 0 means all cores."""
+
+
+class Config(_Section):
+    run_dir: str = "runs/default"
+    """Directory for checkpoints, the resolved config and metrics."""
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    """Model shape."""
+    data: DataConfig = Field(default_factory=DataConfig)
+    """Corpus."""
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    """Inner optimisation."""
+
+
+def parse_value(text: str) -> Any:
+    """A TOML scalar or array if ``text`` is one (``16``, ``0.5``, ``true``, ``[1, 2]``), else the string."""
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text
+
+
+def _set_dotted(tree: dict[str, Any], key: str, value: Any, origins: dict[str, str], origin: str) -> None:
+    parts = key.split(".")
+    node = tree
+    for part in parts[:-1]:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"config error: {key} ({origin}) sets a key inside {part}, which is not a section.")
+        node = child
+    node[parts[-1]] = value
+    origins[key] = origin
+
+
+def _flatten(tree: Mapping[str, Any], prefix: str = "") -> Iterable[tuple[str, Any]]:
+    for key, value in tree.items():
+        if isinstance(value, Mapping):
+            yield from _flatten(value, f"{prefix}{key}.")
+        else:
+            yield f"{prefix}{key}", value
+
+
+def known_keys(model: type[BaseModel] = Config, prefix: str = "") -> dict[str, str]:
+    """Every dotted key of a config model with its help text."""
+    keys: dict[str, str] = {}
+    for name, field in model.model_fields.items():
+        annotation = field.annotation
+        if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+            keys.update(known_keys(annotation, f"{prefix}{name}."))
+        else:
+            keys[f"{prefix}{name}"] = field.description or ""
+    return keys
+
+
+def _explain(error: ValidationError, origins: Mapping[str, str], source: str) -> str:
+    keys = known_keys()
+    lines = []
+    for item in error.errors():
+        dotted = ".".join(str(p) for p in item["loc"])
+        where = origins.get(dotted, source)
+        if item["type"] == "extra_forbidden":
+            close = difflib.get_close_matches(dotted, list(keys), n=1)
+            hint = f" Did you mean {close[0]}?" if close else ""
+            lines.append(f"{dotted} is not a known setting (from {where}).{hint}")
+        elif dotted:
+            lines.append(f"{dotted} = {item.get('input')!r} is invalid (from {where}): {item['msg']}.")
+        else:
+            lines.append(f"{item['msg'].removeprefix('Value error, ')}.")
+    return (
+        "config error: "
+        + " ".join(lines)
+        + " Fix the setting, or run `swarmtrain config` to list every key with its meaning and default."
+    )
+
+
+def load_config(
+    path: str | Path | None = None,
+    overrides: Iterable[str] = (),
+    flags: Mapping[str, Any] | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> Config:
+    """Resolve a config from a TOML file, ``SWARMTRAIN_`` environment variables, ``--set`` overrides and flags.
+
+    ``overrides`` are ``"dotted.key=value"`` strings; ``flags`` maps dotted keys to values already typed by the
+    CLI (``None`` values are ignored, so an unset flag never hides a file or environment value).
+    """
+    tree: dict[str, Any] = {}
+    origins: dict[str, str] = {}
+    source = "defaults"
+    if path is not None:
+        path = Path(path)
+        source = str(path)
+        try:
+            text = path.read_text(encoding="utf-8")
+        except OSError as exc:
+            raise ConfigError(
+                f"config error: cannot read config file {path}: {exc.strerror}. Check the path."
+            ) from None
+        try:
+            loaded = tomllib.loads(text)
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"config error: {path} is not valid TOML: {exc}. Fix the file's syntax.") from None
+        for key, value in _flatten(loaded):
+            _set_dotted(tree, key, value, origins, str(path))
+    environ = os.environ if environ is None else environ
+    for name in sorted(environ):
+        if name.startswith(ENV_PREFIX):
+            key = name[len(ENV_PREFIX) :].lower().replace("__", ".")
+            _set_dotted(tree, key, parse_value(environ[name]), origins, f"environment variable {name}")
+    for item in overrides:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(f"config error: --set {item!r} must look like KEY=VALUE, e.g. --set train.lr=0.001.")
+        _set_dotted(tree, key.strip(), parse_value(value.strip()), origins, f"--set {item}")
+    for key, value in (flags or {}).items():
+        if value is not None:
+            _set_dotted(tree, key, value, origins, f"the --{key.rsplit('.', 1)[-1].replace('_', '-')} flag")
+    try:
+        return Config.model_validate(tree)
+    except ValidationError as exc:
+        raise ConfigError(_explain(exc, origins, source)) from None
+
+
+def write_resolved(config: Config, run_dir: str | Path) -> Path:
+    """Write the resolved config as JSON in the run directory (atomically), so a run is reproducible."""
+    target = Path(run_dir) / "config.json"
+    atomic_write_bytes(target, json.dumps(config.model_dump(), indent=2).encode() + b"\n")
+    return target

@@ -1,0 +1,119 @@
+"""The inner optimiser: AdamW steps of the byte transformer on random windows of a corpus.
+
+``Trainer`` holds the model, the optimizer and the position in the data (the step), and nothing about where
+its steps come from: ``swarmtrain train`` drives it alone, a swarm node drives it for H inner steps per round.
+Its whole state goes in and out as named tensors plus JSON metadata, which is what a checkpoint stores.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from swarmtrain.config import Config
+from swarmtrain.data import Corpus, eval_starts, train_batch, windows
+from swarmtrain.errors import CheckpointError
+from swarmtrain.model import VOCAB, ByteTransformer, param_groups
+from swarmtrain.train.checkpoint import Checkpoint, load_optimizer_tensors, optimizer_tensors
+
+
+def configure_threads(threads: int) -> int:
+    """Set torch's compute threads (0 means all cores) and one inter-op thread; return the count used."""
+    count = threads or os.cpu_count() or 1
+    torch.set_num_threads(count)
+    return count
+
+
+class Trainer:
+    def __init__(self, config: Config, corpus: Corpus) -> None:
+        corpus.check_context(config.model.context)
+        self.config = config
+        self.corpus = corpus
+        torch.manual_seed(config.train.seed)
+        self.model = ByteTransformer(config.model)
+        t = config.train
+        self.optimizer = torch.optim.AdamW(
+            param_groups(self.model, t.weight_decay), lr=t.lr, betas=(t.beta1, t.beta2), foreach=True
+        )
+        self.step = 0
+        self.tokens = 0
+        self._eval_starts = eval_starts(corpus.val, t.eval_batches * t.batch_size, config.model.context)
+
+    def lr_at(self, step: int) -> float:
+        """Linear warm-up, then cosine decay to ``lr * min_lr_ratio`` at ``max_steps``."""
+        t = self.config.train
+        if step < t.warmup_steps:
+            return t.lr * (step + 1) / t.warmup_steps
+        progress = min(1.0, (step - t.warmup_steps) / max(1, t.max_steps - t.warmup_steps))
+        return t.lr * (t.min_lr_ratio + (1 - t.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+    def train_step(self) -> float:
+        """One AdamW step on the batch for the current step; returns the training loss in nats per byte."""
+        t, context = self.config.train, self.config.model.context
+        batch = train_batch(self.corpus.train, t.batch_size, context, t.seed, self.step)
+        for group in self.optimizer.param_groups:
+            group["lr"] = self.lr_at(self.step)
+        self.model.train()
+        logits = self.model(batch[:, :-1])
+        loss = F.cross_entropy(logits.reshape(-1, VOCAB), batch[:, 1:].reshape(-1))
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        if t.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), t.grad_clip)
+        self.optimizer.step()
+        self.step += 1
+        self.tokens += batch.shape[0] * context
+        return loss.item()
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        """Held-out bits per byte on the fixed validation windows."""
+        t, context = self.config.train, self.config.model.context
+        self.model.eval()
+        total = 0.0
+        for chunk in self._eval_starts.reshape(t.eval_batches, t.batch_size):
+            batch = windows(self.corpus.val, chunk, context)
+            logits = self.model(batch[:, :-1])
+            total += F.cross_entropy(logits.reshape(-1, VOCAB), batch[:, 1:].reshape(-1), reduction="sum").item()
+        return total / (len(self._eval_starts) * context) / math.log(2)
+
+    def state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        """Everything needed to continue this run bit for bit: named tensors and JSON metadata."""
+        tensors = {f"model.{k}": v for k, v in self.model.state_dict().items()}
+        optim, groups = optimizer_tensors(self.optimizer)
+        tensors.update(optim)
+        meta = {
+            "step": self.step,
+            "tokens": self.tokens,
+            "data_position": {"seed": self.config.train.seed, "next_step": self.step},
+            "optimizer_groups": groups,
+            "config": self.config.model_dump(),
+        }
+        return tensors, meta
+
+    def check_compatible(self, checkpoint: Checkpoint) -> None:
+        """Raise ``CheckpointError`` if ``checkpoint`` was written for a different model shape."""
+        saved = checkpoint.meta.get("config", {}).get("model")
+        wanted = self.config.model.model_dump()
+        if saved != wanted:
+            diffs = ", ".join(
+                f"model.{k}={saved.get(k)!r} there vs {wanted[k]!r} here"
+                for k in wanted
+                if not isinstance(saved, dict) or saved.get(k) != wanted[k]
+            )
+            raise CheckpointError(
+                f"checkpoint error: {checkpoint.path} was written for a different model ({diffs or 'unknown'}). "
+                "Resume with the model settings it was written with, or start a new run with a new --run-dir."
+            )
+
+    def load_state(self, checkpoint: Checkpoint) -> None:
+        self.check_compatible(checkpoint)
+        model_state = {k[len("model.") :]: v for k, v in checkpoint.tensors.items() if k.startswith("model.")}
+        self.model.load_state_dict(model_state)
+        load_optimizer_tensors(self.optimizer, checkpoint.tensors, checkpoint.meta["optimizer_groups"])
+        self.step = int(checkpoint.meta["step"])
+        self.tokens = int(checkpoint.meta["tokens"])

@@ -1,0 +1,53 @@
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+
+from swarmtrain.config import Config, load_config
+
+WORDS = (
+    "the swarm trains one model together over ordinary links while nodes join and leave at any time "
+    "a peer averages its update with others in a group and every replica applies the same result "
+    "bytes on the wire are the figure we compete on and nothing is lost when a machine crashes"
+).split()
+
+
+def english_like(n_bytes: int, seed: int = 0) -> bytes:
+    """Deterministic word salad with sentence structure: enough regularity for a small model to learn fast."""
+    rng = random.Random(seed)
+    out: list[str] = []
+    size = 0
+    while size < n_bytes:
+        sentence = " ".join(rng.choice(WORDS) for _ in range(rng.randint(5, 12))).capitalize() + ". "
+        out.append(sentence)
+        size += len(sentence)
+    return "".join(out).encode()[:n_bytes]
+
+
+@pytest.fixture
+def text_file(tmp_path: Path) -> Path:
+    path = tmp_path / "corpus.txt"
+    path.write_bytes(english_like(200_000))
+    return path
+
+
+def tiny_config(tmp_path: Path, data: Path, **overrides: object) -> Config:
+    """A model small enough that a few dozen steps take about a second on one core."""
+    settings = {
+        "model.depth": 2,
+        "model.width": 32,
+        "model.heads": 2,
+        "model.context": 32,
+        "train.batch_size": 8,
+        "train.max_steps": 20,
+        "train.warmup_steps": 5,
+        "train.eval_batches": 2,
+        "train.threads": 1,
+        "data.path": str(data),
+        "data.cache_dir": str(tmp_path / "cache"),
+        "run_dir": str(tmp_path / "run"),
+    }
+    settings.update(overrides)
+    return load_config(flags=settings, environ={})
