@@ -83,19 +83,104 @@ def train(
     run_training(config, resume=resume)
 
 
-@cli.command()
-@click.option("--max-time", type=float, default=90.0, show_default=True, help="Seconds of training.")
-def demo(max_time: float) -> None:
-    """Train the default small model on the Python standard library source for a short time budget.
+_swarm_options: list[Callable[[Callable[..., Any]], Callable[..., Any]]] = [
+    click.option("--join", multiple=True, metavar="MADDR", help="Address of a peer in the swarm (repeatable)."),
+    click.option(
+        "--host", multiple=True, metavar="MADDR", help="Listen address (node.host), e.g. /ip4/0.0.0.0/tcp/31337."
+    ),
+    click.option(
+        "--announce", multiple=True, metavar="MADDR", help="Address other peers should dial (node.announce)."
+    ),
+]
 
-    Needs no network and no download; writes its run to a fresh runs/demo-<time> directory.
+
+def swarm_options(func: Callable[..., Any]) -> Callable[..., Any]:
+    for option in reversed(_swarm_options):
+        func = option(func)
+    return func
+
+
+def _addrs(join: tuple[str, ...], host: tuple[str, ...], announce: tuple[str, ...]) -> dict[str, Any]:
+    return {"node.join": list(join) or None, "node.host": list(host) or None, "node.announce": list(announce) or None}
+
+
+@cli.command()
+@common_options
+@swarm_options
+@click.option("--rounds", type=int, help="Stop after this many outer rounds (node.rounds).")
+@click.option("--max-time", type=float, help="Stop after this many seconds (train.max_time).")
+def node(
+    config_path: str | None, overrides: tuple[str, ...], data: str | None, run_dir: str | None,
+    join: tuple[str, ...], host: tuple[str, ...], announce: tuple[str, ...], rounds: int | None,
+    max_time: float | None,
+) -> None:  # fmt: skip
+    """Run one swarm node: train H inner steps, average with peers, repeat.
+
+    Without --join it starts a new swarm and prints the line other machines use to join it.
+    Ctrl+C leaves gracefully (checkpoint written); a second Ctrl+C exits at once.
+    """
+    from swarmtrain.node.commands import run_node
+
+    flags = {"data.path": data, "run_dir": run_dir, "node.rounds": rounds, "train.max_time": max_time}
+    run_node(resolve(config_path, overrides, **flags, **_addrs(join, host, announce)))
+
+
+@cli.command()
+@common_options
+@swarm_options
+def bootstrap(
+    config_path: str | None, overrides: tuple[str, ...], data: str | None, run_dir: str | None,
+    join: tuple[str, ...], host: tuple[str, ...], announce: tuple[str, ...],
+) -> None:  # fmt: skip
+    """Run a DHT-only peer (no training): a stable entry point for a public or private swarm."""
+    from swarmtrain.node.commands import run_bootstrap
+
+    run_bootstrap(resolve(config_path, overrides, **{"run_dir": run_dir}, **_addrs(join, host, announce)))
+
+
+@cli.command()
+@common_options
+@swarm_options
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
+def status(
+    config_path: str | None, overrides: tuple[str, ...], data: str | None, run_dir: str | None,
+    join: tuple[str, ...], host: tuple[str, ...], announce: tuple[str, ...], as_json: bool,
+) -> None:  # fmt: skip
+    """Print the peers of a swarm (reached through --join) as a table or JSON."""
+    from swarmtrain.node.commands import show_status
+
+    show_status(resolve(config_path, overrides, **_addrs(join, host, announce)), as_json)
+
+
+@cli.command()
+@click.argument("path", type=click.Path(dir_okay=False))
+def keygen(path: str) -> None:
+    """Write a new private key to PATH; use it with --set node.identity=PATH to keep a fixed peer id."""
+    from pathlib import Path
+
+    from hivemind.p2p import P2P
+
+    if Path(path).exists():
+        raise click.ClickException(f"{path} already exists; refusing to overwrite an identity")
+    P2P.generate_identity(path)
+    click.echo(f"wrote a new identity to {path}")
+
+
+@cli.command()
+@click.option("--nodes", type=int, default=4, show_default=True, help="Node processes to start on loopback.")
+@click.option("--rounds", type=int, default=8, show_default=True, help="Outer rounds to run.")
+@click.option("--run-dir", type=str, help="Where the nodes write their runs (default: runs/demo-<time>).")
+def demo(nodes: int, rounds: int, run_dir: str | None) -> None:
+    """A whole swarm on this machine: NODES node processes on loopback train on the stdlib source.
+
+    Shows each node's progress, then compares the swarm with one node given the same wall time, and the
+    bytes each node sent with what synchronous data parallel would have sent for the same tokens.
     """
     import time
 
-    from swarmtrain.train import run_training
+    from swarmtrain.node.demo import run_demo
 
-    run_dir = f"runs/demo-{time.strftime('%Y%m%d-%H%M%S')}"
-    run_training(resolve(None, (), **{"run_dir": run_dir, "train.max_time": max_time}))
+    run_demo(nodes, rounds, run_dir or f"runs/demo-{time.strftime('%Y%m%d-%H%M%S')}")
 
 
 @cli.command("config")

@@ -100,6 +100,80 @@ class TrainConfig(_Section):
     """torch threads for compute; 0 means all cores."""
 
 
+class NodeConfig(_Section):
+    run_id: str = Field("swarmtrain", min_length=1, max_length=64, pattern=r"^[A-Za-z0-9._-]+$")
+    """Name of the swarm: nodes only average with peers of the same run id."""
+    host: list[str] = Field(default_factory=lambda: ["/ip4/127.0.0.1/tcp/0"])
+    """Multiaddrs to listen on; use /ip4/0.0.0.0/tcp/31337 to accept peers from other machines."""
+    announce: list[str] = Field(default_factory=list)
+    """Multiaddrs other peers should dial (your public address behind NAT or port forwarding)."""
+    join: list[str] = Field(default_factory=list)
+    """Multiaddrs of peers already in the swarm (with /p2p/<peer id>); empty starts a new swarm."""
+    identity: str | None = None
+    """Private key file that fixes this node's peer id; unset means <run_dir>/identity.key (created if missing)."""
+    inner_steps: int = Field(50, ge=1)
+    """H: inner AdamW steps between two outer steps."""
+    rounds: int = Field(0, ge=0)
+    """Stop after this many outer rounds; 0 means run until Ctrl+C (or train.max_time)."""
+    min_peers: int = Field(1, ge=1)
+    """Wait until the swarm has this many peers (this one included) before the first round."""
+    min_peers_timeout_s: float = Field(600.0, gt=0.0)
+    """Give up waiting for node.min_peers after this many seconds (and train with whoever is there)."""
+    heartbeat_s: float = Field(1.0, gt=0.0, le=60.0)
+    """Seconds between membership heartbeats."""
+    record_ttl_s: float = Field(5.0, gt=0.0)
+    """A peer that misses heartbeats for this long drops out of every view."""
+    eval_every: int = Field(0, ge=0)
+    """Evaluate held-out bits per byte every this many rounds (0: only at the end)."""
+    checkpoint_every: int = Field(5, ge=1)
+    """Write a checkpoint every this many rounds (and on exit)."""
+    data_seed: int | None = None
+    """Seed for this node's data windows; unset derives one from the peer id so nodes see different data."""
+
+    @model_validator(mode="after")
+    def _check_addrs(self) -> NodeConfig:
+        from multiaddr import Multiaddr
+
+        for key in ("host", "announce", "join"):
+            for addr in getattr(self, key):
+                try:
+                    parsed = Multiaddr(addr)
+                except Exception as exc:
+                    raise ValueError(
+                        f"node.{key} entry {addr!r} is not a valid multiaddr ({exc}); "
+                        "it looks like /ip4/203.0.113.5/tcp/31337/p2p/12D3KooW..."
+                    ) from None
+                if key == "join" and "/p2p/" not in str(parsed):
+                    raise ValueError(
+                        f"node.join entry {addr!r} lacks the peer id: copy the whole line the peer printed, "
+                        "ending in /p2p/12D3KooW..."
+                    )
+        if self.record_ttl_s < 2 * self.heartbeat_s:
+            raise ValueError("node.record_ttl_s must be at least twice node.heartbeat_s")
+        return self
+
+
+class AveragingConfig(_Section):
+    group_size: int = Field(16, ge=2, le=256)
+    """Peers per all-reduce group; a swarm of at most this many averages as one group (exact DiLoCo)."""
+    outer_lr: float = Field(0.7, gt=0.0)
+    """Outer learning rate (DiLoCo: 0.7; FedAvg: 1.0 with outer_momentum 0)."""
+    outer_momentum: float = Field(0.9, ge=0.0, lt=1.0)
+    """Nesterov momentum of the outer optimizer (0 disables it)."""
+    codec: str = "fp16"
+    """Codec of the payloads sent to reducers (fp32, fp16, ...)."""
+    codec_down: str = ""
+    """Codec of the averaged shards reducers send back; empty means the same as averaging.codec."""
+    part_numel: int = Field(1 << 20, ge=1024)
+    """Elements per streamed part of a shard."""
+    min_deadline_s: float = Field(10.0, gt=0.0)
+    """Floor of the all-reduce deadline; above it the deadline adapts to measured round times."""
+    deadline_factor: float = Field(4.0, ge=1.0)
+    """The deadline is this multiple of the slowest of the last few all-reduces."""
+    min_gather_s: float = Field(3.0, gt=0.0)
+    """The leader waits at least this long for late members (longer if inner phases are long)."""
+
+
 class Config(_Section):
     run_dir: str = "runs/default"
     """Directory for checkpoints, the resolved config and metrics."""
@@ -109,6 +183,10 @@ class Config(_Section):
     """Corpus."""
     train: TrainConfig = Field(default_factory=TrainConfig)
     """Inner optimisation."""
+    node: NodeConfig = Field(default_factory=NodeConfig)
+    """Swarm node: addresses, identity, rounds."""
+    averaging: AveragingConfig = Field(default_factory=AveragingConfig)
+    """Outer step: groups, outer optimizer, codecs, deadlines."""
 
 
 def parse_value(text: str) -> Any:

@@ -29,7 +29,7 @@ def configure_threads(threads: int) -> int:
 
 
 class Trainer:
-    def __init__(self, config: Config, corpus: Corpus) -> None:
+    def __init__(self, config: Config, corpus: Corpus, data_seed: int | None = None) -> None:
         corpus.check_context(config.model.context)
         self.config = config
         self.corpus = corpus
@@ -39,6 +39,7 @@ class Trainer:
         self.optimizer = torch.optim.AdamW(
             param_groups(self.model, t.weight_decay), lr=t.lr, betas=(t.beta1, t.beta2), foreach=True
         )
+        self.data_seed = config.train.seed if data_seed is None else data_seed
         self.step = 0
         self.tokens = 0
         self._eval_starts = eval_starts(corpus.val, t.eval_batches * t.batch_size, config.model.context)
@@ -54,7 +55,7 @@ class Trainer:
     def train_step(self) -> float:
         """One AdamW step on the batch for the current step; returns the training loss in nats per byte."""
         t, context = self.config.train, self.config.model.context
-        batch = train_batch(self.corpus.train, t.batch_size, context, t.seed, self.step)
+        batch = train_batch(self.corpus.train, t.batch_size, context, self.data_seed, self.step)
         for group in self.optimizer.param_groups:
             group["lr"] = self.lr_at(self.step)
         self.model.train()
@@ -89,7 +90,7 @@ class Trainer:
         meta = {
             "step": self.step,
             "tokens": self.tokens,
-            "data_position": {"seed": self.config.train.seed, "next_step": self.step},
+            "data_position": {"seed": self.data_seed, "next_step": self.step},
             "optimizer_groups": groups,
             "config": self.config.model_dump(),
         }

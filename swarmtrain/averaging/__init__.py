@@ -1,0 +1,19 @@
+"""The outer step: group formation, butterfly all-reduce, outer optimizer, digest confirmation, state sync."""
+
+from swarmtrain.averaging.allreduce import AllReduce, AllReduceResult
+from swarmtrain.averaging.averager import PROTOCOL_VERSION, Averager, RoundOutcome
+from swarmtrain.averaging.group import Group, gossip_groups, leader_candidates
+from swarmtrain.averaging.outer import OuterOptimizer, state_digest
+
+__all__ = [
+    "PROTOCOL_VERSION",
+    "AllReduce",
+    "AllReduceResult",
+    "Averager",
+    "Group",
+    "OuterOptimizer",
+    "RoundOutcome",
+    "gossip_groups",
+    "leader_candidates",
+    "state_digest",
+]

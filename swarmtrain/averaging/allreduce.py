@@ -1,0 +1,338 @@
+"""One member's side of a group's butterfly all-reduce, with failure handling that keeps replicas identical.
+
+Phases, all bounded by the round's deadline:
+
+1. reduce-scatter: the flat update is cut into one contiguous shard per member; every member streams shard j
+   (in parts) to member j, the shard's reducer. A reducer averages the contributions of the senders whose
+   every part arrived, weighted by tokens. A sender that dies, stalls or sends a bad payload (wrong size,
+   codec, non-finite values) is left out of that shard.
+2. all-gather: each reducer encodes its averaged shard once and sends the same bytes to every member, so all
+   members that receive shard j hold the identical shard.
+3. report: members tell each other which shards they hold (a hash of each). A shard is applied only if every
+   report in hand holds it with the same hash; otherwise every member applies the same fallback for it
+   (a zero update: theta_g keeps its value there). A dead reducer's shard is thus dropped by all survivors.
+4. digest (after the outer step, driven by the averager): members exchange a digest of their new state; a
+   member in the minority marks itself diverged and resyncs.
+
+Dead peers are noticed by stream errors and by pings while waiting on them, not only by the deadline.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from swarmtrain.averaging.group import Group
+from swarmtrain.compression import Codec, CodecError
+from swarmtrain.net import PeerUnreachable, Rejected, RemoteError, RpcError, RpcTimeout, Transport
+
+log = logging.getLogger(__name__)
+
+PING_INTERVAL = 0.5
+PING_TIMEOUT = 1.5
+
+
+class Liveness:
+    """Which group members are known dead this round; pings a peer while someone waits on it."""
+
+    def __init__(self, transport: Transport, header: dict[str, Any]) -> None:
+        self.transport = transport
+        self.header = header
+        self.dead: set[str] = set()
+        self._events: dict[str, asyncio.Event] = {}
+        self._watchers: dict[str, asyncio.Task[None]] = {}
+
+    def event(self, peer: str) -> asyncio.Event:
+        return self._events.setdefault(peer, asyncio.Event())
+
+    def mark_dead(self, peer: str, reason: str) -> None:
+        if peer not in self.dead and peer != self.transport.peer_id:
+            log.info("peer %s is gone this round: %s", peer[-8:], reason)
+            self.dead.add(peer)
+            self.event(peer).set()
+
+    def watch(self, peer: str) -> asyncio.Event:
+        """Start pinging ``peer`` (once) and return the event that fires if it is found dead."""
+        if peer != self.transport.peer_id and peer not in self._watchers:
+            self._watchers[peer] = asyncio.create_task(self._ping_loop(peer))
+        return self.event(peer)
+
+    async def _ping_loop(self, peer: str) -> None:
+        failures = 0
+        while peer not in self.dead:
+            try:
+                await self.transport.call(peer, "ping", self.header, timeout=PING_TIMEOUT)
+                failures = 0
+            except (PeerUnreachable, RpcTimeout) as exc:
+                failures += 1
+                if failures >= 2 or isinstance(exc, PeerUnreachable):
+                    self.mark_dead(peer, f"ping failed: {exc}")
+            except RpcError:
+                failures = 0
+            await asyncio.sleep(PING_INTERVAL)
+
+    def close(self) -> None:
+        for task in self._watchers.values():
+            task.cancel()
+
+
+async def wait_or_dead(done: asyncio.Event, dead: asyncio.Event, deadline: float) -> bool:
+    """Wait until ``done`` (True) or ``dead`` fires or the loop time reaches ``deadline`` (False)."""
+    if done.is_set():
+        return True
+    timeout = deadline - asyncio.get_running_loop().time()
+    if timeout <= 0:
+        return False
+    waiters = [asyncio.ensure_future(done.wait()), asyncio.ensure_future(dead.wait())]
+    try:
+        await asyncio.wait(waiters, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for w in waiters:
+            w.cancel()
+    return done.is_set()
+
+
+def tensor_hash(t: torch.Tensor) -> str:
+    return hashlib.blake2b(t.contiguous().view(torch.uint8).numpy(), digest_size=12).hexdigest()
+
+
+@dataclass
+class _Inbox:
+    """Parts of one shard arriving from one peer."""
+
+    buffer: torch.Tensor
+    parts: set[int] = field(default_factory=set)
+    complete: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+@dataclass
+class AllReduceResult:
+    average: torch.Tensor
+    applied: list[bool]
+    excluded: list[str]
+
+    @property
+    def complete(self) -> bool:
+        return all(self.applied) and not self.excluded
+
+
+class AllReduce:
+    def __init__(
+        self,
+        group: Group,
+        me: str,
+        delta: torch.Tensor,
+        transport: Transport,
+        *,
+        header: dict[str, Any],
+        codec_up: Codec,
+        codec_down: Codec,
+        part_numel: int,
+        deadline: float,
+    ) -> None:
+        self.group, self.me, self.transport = group, me, transport
+        self.delta = delta
+        self.index = group.index(me)
+        self.bounds = group.shard_bounds(delta.numel())
+        self.header = {**header, "group": group.group_id}
+        self.codec_up, self.codec_down = codec_up, codec_down
+        self.part_numel = max(1, part_numel)
+        loop_now = asyncio.get_running_loop().time()
+        span = max(deadline - loop_now, 0.0)
+        self.scatter_deadline = loop_now + 0.5 * span
+        self.transfer_deadline = loop_now + 0.75 * span
+        self.report_deadline = loop_now + 0.88 * span
+        self.deadline = deadline
+        self.liveness = Liveness(transport, self.header)
+        start, end = self.bounds[self.index]
+        self.inbox = {p: _Inbox(torch.zeros(end - start)) for p in group.members}
+        self.bad_senders: set[str] = set()
+        self.reduced = False
+        self.results = [_Inbox(torch.zeros(e - s)) for s, e in self.bounds]
+        self.reports: dict[str, list[str | None]] = {}
+        self.reports_in = {p: asyncio.Event() for p in group.members}
+        self.digests: dict[str, str] = {}
+        self.digests_in = {p: asyncio.Event() for p in group.members}
+
+    # ---- helpers ----------------------------------------------------------------------------------------
+
+    def _parts(self, length: int) -> list[tuple[int, int]]:
+        return [(s, min(s + self.part_numel, length)) for s in range(0, max(length, 1), self.part_numel)]
+
+    def _check_member(self, sender: str) -> int:
+        if sender not in self.group.members:
+            raise Rejected(f"{sender[-8:]} is not a member of group {self.group.group_id}")
+        return self.group.index(sender)
+
+    def _decode(self, codec: Codec, body: bytes, numel: int, what: str) -> torch.Tensor:
+        try:
+            values = codec.decode(body, numel)
+        except CodecError as exc:
+            raise Rejected(f"bad {what} payload: {exc}") from None
+        if values.numel() != numel or not torch.isfinite(values).all():
+            raise Rejected(f"bad {what} payload: wrong size or non-finite values")
+        return values
+
+    def _store(self, box: _Inbox, header: dict[str, Any], body: bytes, codec: Codec, what: str) -> None:
+        parts = self._parts(box.buffer.numel())
+        part = header.get("part")
+        if not isinstance(part, int) or not 0 <= part < len(parts):
+            raise Rejected(f"bad {what} part index {part!r}")
+        if header.get("codec") != codec.name:
+            raise Rejected(f"{what} codec {header.get('codec')!r} is not this round's {codec.name!r}")
+        start, end = parts[part]
+        box.buffer[start:end] = self._decode(codec, body, end - start, what)
+        box.parts.add(part)
+        if len(box.parts) == len(parts):
+            box.complete.set()
+
+    # ---- handlers (called by the averager's service) ------------------------------------------------------
+
+    def on_part(self, sender: str, header: dict[str, Any], body: bytes) -> None:
+        self._check_member(sender)
+        if header.get("shard") != self.index:
+            raise Rejected(f"part for shard {header.get('shard')!r} sent to the reducer of shard {self.index}")
+        box = self.inbox[sender]
+        if self.reduced or sender in self.bad_senders or header.get("part") in box.parts:
+            raise Rejected("late, duplicate or already excluded contribution")
+        try:
+            self._store(box, header, body, self.codec_up, "part")
+        except Rejected:
+            self.bad_senders.add(sender)
+            box.complete.clear()
+            raise
+
+    def on_result(self, sender: str, header: dict[str, Any], body: bytes) -> None:
+        j = self._check_member(sender)
+        if header.get("shard") != j:
+            raise Rejected(f"{sender[-8:]} reduces shard {j}, not {header.get('shard')!r}")
+        self._store(self.results[j], header, body, self.codec_down, "result")
+
+    def on_report(self, sender: str, header: dict[str, Any]) -> None:
+        self._check_member(sender)
+        hashes = header.get("hashes")
+        if not isinstance(hashes, list) or len(hashes) != self.group.size:
+            raise Rejected("report must list one hash per shard")
+        if not all(h is None or isinstance(h, str) for h in hashes):
+            raise Rejected("report hashes must be strings or nil")
+        self.reports[sender] = hashes
+        self.reports_in[sender].set()
+
+    def on_digest(self, sender: str, header: dict[str, Any]) -> None:
+        self._check_member(sender)
+        digest = header.get("digest")
+        if not isinstance(digest, str) or len(digest) > 64:
+            raise Rejected("digest must be a short string")
+        self.digests[sender] = digest
+        self.digests_in[sender].set()
+
+    # ---- the protocol -------------------------------------------------------------------------------------
+
+    async def _send(self, peer: str, method: str, header: dict[str, Any], body: bytes, deadline: float) -> bool:
+        """Send one message; on a dead peer mark it and return False. Local delivery for messages to self."""
+        if peer == self.me:
+            try:
+                (self.on_part if method == "part" else self.on_result)(self.me, header, body)
+            except Rejected as exc:
+                log.error("own %s rejected: %s", method, exc)
+                return False
+            return True
+        timeout = deadline - asyncio.get_running_loop().time()
+        try:
+            await self.transport.call(peer, method, header, body, timeout=max(timeout, 0.01))
+            return True
+        except (PeerUnreachable, RpcTimeout) as exc:
+            self.liveness.mark_dead(peer, str(exc))
+        except RemoteError as exc:
+            log.warning("%s", exc)
+        return False
+
+    async def _scatter_to(self, j: int) -> None:
+        if self.group.weights[self.index] == 0:
+            return  # an observer (weight 0) receives the average but contributes nothing
+        start, end = self.bounds[j]
+        shard = self.delta[start:end]
+        for p, (s, e) in enumerate(self._parts(end - start)):
+            header = {**self.header, "shard": j, "part": p, "codec": self.codec_up.name}
+            body = self.codec_up.encode(shard[s:e])
+            if not await self._send(self.group.members[j], "part", header, body, self.scatter_deadline):
+                return
+
+    async def _reduce_and_broadcast(self) -> None:
+        contributors = [p for p, w in zip(self.group.members, self.group.weights, strict=True) if w > 0]
+        for peer in contributors:
+            await wait_or_dead(self.inbox[peer].complete, self.liveness.watch(peer), self.scatter_deadline)
+        self.reduced = True
+        included = [
+            i for i, p in enumerate(self.group.members) if p in contributors and self.inbox[p].complete.is_set()
+        ]
+        start, end = self.bounds[self.index]
+        average = torch.zeros(end - start)
+        total = sum(self.group.weights[i] for i in included)
+        for i in included:
+            average.add_(self.inbox[self.group.members[i]].buffer, alpha=self.group.weights[i] / total)
+        sends = []
+        for p, (s, e) in enumerate(self._parts(end - start)):
+            body = self.codec_down.encode(average[s:e])
+            header = {**self.header, "shard": self.index, "part": p, "codec": self.codec_down.name}
+            header["included"] = [self.group.members[i] for i in included]
+            sends += [self._send(peer, "result", header, body, self.transfer_deadline) for peer in self.group.members]
+        await asyncio.gather(*sends)
+
+    async def run(self) -> AllReduceResult:
+        try:
+            scatter = [self._scatter_to(j) for j in range(self.group.size)]
+            await asyncio.gather(*scatter, self._reduce_and_broadcast(), self._gather())
+            hashes = [tensor_hash(r.buffer) if r.complete.is_set() else None for r in self.results]
+            await self._exchange("report", {"hashes": hashes}, self.reports_in, self.report_deadline)
+            self.reports[self.me] = hashes
+            applied = [
+                hashes[j] is not None and all(rep[j] == hashes[j] for rep in self.reports.values())
+                for j in range(self.group.size)
+            ]
+            average = torch.cat(
+                [r.buffer if ok else torch.zeros_like(r.buffer) for r, ok in zip(self.results, applied, strict=True)]
+            )
+            excluded = sorted(self.liveness.dead | self.bad_senders)
+            return AllReduceResult(average, applied, excluded)
+        finally:
+            self.liveness.close()
+
+    async def _gather(self) -> None:
+        for j, peer in enumerate(self.group.members):
+            await wait_or_dead(self.results[j].complete, self.liveness.watch(peer), self.transfer_deadline)
+
+    async def _exchange(
+        self, method: str, payload: dict[str, Any], inbox: dict[str, asyncio.Event], deadline: float
+    ) -> None:
+        others = [p for p in self.group.members if p != self.me and p not in self.liveness.dead]
+        header = {**self.header, **payload}
+        await asyncio.gather(*(self._send_small(p, method, header, deadline) for p in others))
+        for peer in others:
+            await wait_or_dead(inbox[peer], self.liveness.watch(peer), deadline)
+
+    async def _send_small(self, peer: str, method: str, header: dict[str, Any], deadline: float) -> None:
+        timeout = deadline - asyncio.get_running_loop().time()
+        try:
+            await self.transport.call(peer, method, header, timeout=max(timeout, 0.01))
+        except (PeerUnreachable, RpcTimeout) as exc:
+            self.liveness.mark_dead(peer, str(exc))
+        except RemoteError as exc:
+            log.warning("%s", exc)
+
+    async def exchange_digests(self, digest: str) -> str:
+        """Send my state digest to the group and return the digest most members hold (ties: the smallest)."""
+        self.digests[self.me] = digest
+        try:
+            await self._exchange("digest", {"digest": digest}, self.digests_in, self.deadline)
+        finally:
+            self.liveness.close()
+        counts = Counter(self.digests.values())
+        best = max(counts.values())
+        return min(d for d, c in counts.items() if c == best)

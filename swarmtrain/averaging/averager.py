@@ -1,0 +1,214 @@
+"""The outer step of one node: form a group, all-reduce the pseudo-gradient, apply, confirm, resync.
+
+``Averager`` owns theta_g and the outer optimizer state, serves the round RPCs (join, part, result, report,
+digest, ping, state) on a ``Transport``, and runs one round at a time through ``run_round``. Every message
+carries the run id and protocol version; a peer from another run or version is refused with the reason.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from safetensors.torch import load as load_safetensors
+from safetensors.torch import save as save_safetensors
+
+from swarmtrain.averaging.allreduce import AllReduce
+from swarmtrain.averaging.group import Group
+from swarmtrain.averaging.matchmaking import Matchmaker
+from swarmtrain.averaging.outer import OuterOptimizer, state_digest
+from swarmtrain.compression import Codec
+from swarmtrain.net import PeerUnreachable, Rejected, RemoteError, RpcTimeout, Transport
+
+log = logging.getLogger(__name__)
+
+PROTOCOL_VERSION = 1
+_ROUTE_WAIT = 10.0
+_SMALL = 1 << 16
+
+
+@dataclass
+class RoundOutcome:
+    round: int
+    group: Group
+    outcome: str  # applied | fallback | diverged-resynced | diverged
+    digest: str
+    applied_fraction: float
+    excluded: list[str]
+    duration_s: float
+
+
+class Averager:
+    def __init__(
+        self,
+        transport: Transport,
+        theta: torch.Tensor,
+        *,
+        run_id: str,
+        group_size: int,
+        outer_lr: float,
+        outer_momentum: float,
+        codec_up: Codec,
+        codec_down: Codec,
+        part_numel: int,
+        min_deadline: float,
+        deadline_factor: float,
+    ) -> None:
+        self.transport = transport
+        self.me = transport.peer_id
+        self.run_id = run_id
+        self.header = {"run": run_id, "v": PROTOCOL_VERSION}
+        self.outer = OuterOptimizer(theta, outer_lr, outer_momentum, nesterov=True)
+        self.codec_up, self.codec_down = codec_up, codec_down
+        self.part_numel = part_numel
+        self.min_deadline, self.deadline_factor = min_deadline, deadline_factor
+        self.matchmaker = Matchmaker(transport, self.header, group_size)
+        self.group_size = group_size
+        self.round = 0
+        self._routes: dict[str, asyncio.Future[AllReduce]] = {}
+        self._durations: list[float] = []
+        self.max_body = max(codec_up.payload_size(part_numel), codec_down.payload_size(part_numel)) + 1024
+
+    @property
+    def numel(self) -> int:
+        return self.outer.theta.numel()
+
+    def deadline_s(self) -> float:
+        """All-reduce deadline: a floor, or a multiple of the slowest recent all-reduce (adapts to the link)."""
+        recent = self._durations[-5:]
+        return max(self.min_deadline, self.deadline_factor * max(recent)) if recent else self.min_deadline * 3
+
+    # ---- service ------------------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        routes: dict[str, Callable[..., Any]] = {
+            "part": lambda ar, s, h, b: ar.on_part(s, h, b),
+            "result": lambda ar, s, h, b: ar.on_result(s, h, b),
+            "report": lambda ar, s, h, b: ar.on_report(s, h),
+            "digest": lambda ar, s, h, b: ar.on_digest(s, h),
+        }
+        for method, action in routes.items():
+            await self.transport.serve(
+                method, self._routed(action), max_body=self.max_body if method in ("part", "result") else _SMALL
+            )
+        await self.transport.serve("join", self._on_join, max_body=_SMALL)
+        await self.transport.serve("ping", self._on_ping, max_body=_SMALL)
+        await self.transport.serve("state", self._on_state, max_body=_SMALL)
+
+    def check_header(self, header: dict[str, Any]) -> None:
+        if header.get("run") != self.run_id:
+            raise Rejected(f"run id {header.get('run')!r} is not this swarm's {self.run_id!r}")
+        if header.get("v") != PROTOCOL_VERSION:
+            raise Rejected(f"protocol version {header.get('v')!r} is not {PROTOCOL_VERSION}")
+
+    def _route(self, group_id: Any) -> asyncio.Future[AllReduce]:
+        if not isinstance(group_id, str) or len(group_id) > 32:
+            raise Rejected("missing or malformed group id")
+        if group_id not in self._routes:
+            if len(self._routes) > 64:
+                raise Rejected("too many unknown groups")
+            self._routes[group_id] = asyncio.get_running_loop().create_future()
+        return self._routes[group_id]
+
+    def _routed(self, action: Callable[..., Any]) -> Callable[..., Any]:
+        async def handler(sender: str, header: dict[str, Any], body: bytes) -> tuple[dict[str, Any], bytes]:
+            self.check_header(header)
+            route = self._route(header.get("group"))
+            try:
+                allreduce = await asyncio.wait_for(asyncio.shield(route), _ROUTE_WAIT)
+            except TimeoutError:
+                raise Rejected(f"no group {header.get('group')} here") from None
+            action(allreduce, sender, header, body)
+            return {}, b""
+
+        return handler
+
+    async def _on_join(self, sender: str, header: dict[str, Any], body: bytes) -> tuple[dict[str, Any], bytes]:
+        self.check_header(header)
+        if header.get("numel") not in (None, self.numel):
+            raise Rejected(f"model of {header.get('numel')} parameters, this swarm trains {self.numel}")
+        return await self.matchmaker.on_join(sender, header, self.round), b""
+
+    async def _on_ping(self, sender: str, header: dict[str, Any], body: bytes) -> tuple[dict[str, Any], bytes]:
+        self.check_header(header)
+        return {"round": self.round}, b""
+
+    async def _on_state(self, sender: str, header: dict[str, Any], body: bytes) -> tuple[dict[str, Any], bytes]:
+        self.check_header(header)
+        # Serialised without an await in between, so the bytes are one consistent state.
+        payload = save_safetensors({k: v.contiguous() for k, v in self.outer.state_tensors().items()})
+        return {"round": self.round, "digest": self.outer.digest()}, payload
+
+    # ---- state transfer -----------------------------------------------------------------------------------
+
+    async def fetch_state(self, peers: list[str], want_digest: str | None, timeout: float = 60.0) -> bool:
+        """Download theta_g and the outer state from the first peer that has ``want_digest`` (any if None)."""
+        for peer in peers:
+            if peer == self.me:
+                continue
+            try:
+                answer, payload = await self.transport.call(peer, "state", self.header, timeout=timeout)
+                tensors = load_safetensors(payload)
+                if want_digest is not None and answer.get("digest") != want_digest:
+                    continue
+                digest = state_digest(tensors["theta"], tensors["momentum"])
+                if digest != answer.get("digest"):
+                    log.warning("state from %s does not match its own digest", peer[-8:])
+                    continue
+                self.outer.load_state_tensors(tensors)
+                round_ = answer.get("round")
+                if isinstance(round_, int) and round_ > self.round:
+                    self.round = round_
+                return True
+            except (PeerUnreachable, RpcTimeout, RemoteError, KeyError, ValueError) as exc:
+                log.info("state from %s failed: %s", peer[-8:], exc)
+        return False
+
+    # ---- one round ----------------------------------------------------------------------------------------
+
+    async def run_round(
+        self, delta: torch.Tensor, weight: float, candidates: list[str], expected: set[str], gather_timeout: float
+    ) -> RoundOutcome:
+        """Average ``delta`` (theta_g - theta_local) with my group and apply the outer step to theta_g."""
+        round_ = self.round
+        started = time.perf_counter()
+        if not torch.isfinite(delta).all():
+            log.error("round %d: the local update is not finite (training diverged); contributing nothing", round_)
+            delta, weight = torch.zeros_like(delta), 0.0
+        group = await self.matchmaker.form_group(round_, weight, candidates, expected, gather_timeout)
+        if group.size == 1:
+            self.outer.step(delta)
+            self.round += 1
+            return RoundOutcome(round_, group, "applied", self.outer.digest(), 1.0, [], time.perf_counter() - started)
+        allreduce_started = time.perf_counter()
+        deadline = asyncio.get_running_loop().time() + self.deadline_s()
+        allreduce = AllReduce(
+            group, self.me, delta, self.transport, header=self.header, codec_up=self.codec_up,
+            codec_down=self.codec_down, part_numel=self.part_numel, deadline=deadline,
+        )  # fmt: skip
+        route = self._route(group.group_id)
+        if not route.done():
+            route.set_result(allreduce)
+        try:
+            result = await allreduce.run()
+            self.outer.step(result.average)
+            digest = self.outer.digest()
+            agreed = await allreduce.exchange_digests(digest)
+        finally:
+            asyncio.get_running_loop().call_later(30, self._routes.pop, group.group_id, None)
+        self._durations.append(time.perf_counter() - allreduce_started)
+        outcome = "applied" if result.complete else "fallback"
+        if digest != agreed:
+            holders = [p for p, d in allreduce.digests.items() if d == agreed]
+            log.warning("round %d: my state digest disagrees with the group; resyncing", round_)
+            resynced = await self.fetch_state(holders, agreed)
+            outcome = "diverged-resynced" if resynced else "diverged"
+            digest = self.outer.digest()
+        self.round = round_ + 1
+        applied = sum(result.applied) / group.size
+        return RoundOutcome(round_, group, outcome, digest, applied, result.excluded, time.perf_counter() - started)

@@ -1,0 +1,64 @@
+"""Groups of one round: who averages with whom, and which shard each member reduces.
+
+Pure functions of their inputs, so every node that sees the same membership computes the same groups.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Group:
+    """The members of one round's all-reduce, in reducer order, with the token weight of each."""
+
+    round: int
+    members: tuple[str, ...]
+    weights: tuple[float, ...]
+
+    @property
+    def group_id(self) -> str:
+        text = f"{self.round}|{','.join(self.members)}|{','.join(repr(w) for w in self.weights)}"
+        return hashlib.blake2b(text.encode(), digest_size=8).hexdigest()
+
+    @property
+    def size(self) -> int:
+        return len(self.members)
+
+    def index(self, peer: str) -> int:
+        return self.members.index(peer)
+
+    def shard_bounds(self, numel: int) -> list[tuple[int, int]]:
+        """Contiguous shards, one per member, sizes differing by at most one element."""
+        base, extra = divmod(numel, self.size)
+        bounds, start = [], 0
+        for i in range(self.size):
+            end = start + base + (1 if i < extra else 0)
+            bounds.append((start, end))
+            start = end
+        return bounds
+
+
+def gossip_groups(peers: list[str], group_size: int, run_id: str, round_: int) -> list[list[str]]:
+    """Split ``peers`` into groups of about ``group_size`` that change every round.
+
+    One group holding everyone while ``len(peers) <= group_size`` (exact DiLoCo); beyond that a shuffle seeded
+    by (run id, round) cut into near-equal groups, so that updates mix across the swarm over rounds.
+    """
+    ordered = sorted(set(peers))
+    if len(ordered) <= group_size:
+        return [ordered]
+    seed = int.from_bytes(hashlib.blake2b(f"{run_id}|{round_}".encode(), digest_size=8).digest(), "big")
+    random.Random(seed).shuffle(ordered)
+    count = -(-len(ordered) // group_size)
+    return [sorted(ordered[i::count]) for i in range(count)]
+
+
+def leader_candidates(peers: list[str], me: str, group_size: int, run_id: str, round_: int) -> list[str]:
+    """The members of my gossip group in the order I try them as the round's leader (lowest peer id first)."""
+    for group in gossip_groups([*peers, me], group_size, run_id, round_):
+        if me in group:
+            return group
+    raise AssertionError("unreachable: every peer is in some group")

@@ -1,0 +1,160 @@
+"""Group formation: members of a gossip group meet at its leader, who fixes the group once for everyone.
+
+The leader of round r in a gossip group is its lowest live peer id. Every other member calls ``join`` on the
+leader (a long poll); the leader waits until every expected member has joined or its gather timeout passes,
+then answers every waiting joiner with the same member list and weights. A member whose leader is
+unreachable tries the next candidate; a member asked to lead while it follows someone else redirects the
+asker. Because one peer decides each group, all its members agree on it, even when views of the swarm differ.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from swarmtrain.averaging.group import Group
+from swarmtrain.net import PeerUnreachable, Rejected, RemoteError, RpcTimeout, Transport
+
+log = logging.getLogger(__name__)
+
+MAX_WEIGHT = 1e15
+
+
+@dataclass
+class Lobby:
+    round: int
+    joined: dict[str, float] = field(default_factory=dict)
+    redirect: str | None = None
+    redirected: asyncio.Event = field(default_factory=asyncio.Event)
+    changed: asyncio.Event = field(default_factory=asyncio.Event)
+    result: asyncio.Future[Group] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
+
+
+def check_weight(weight: Any) -> float:
+    if isinstance(weight, bool) or not isinstance(weight, int | float) or not math.isfinite(weight):
+        raise Rejected(f"weight {weight!r} is not a finite number")
+    if not 0 <= weight <= MAX_WEIGHT:
+        raise Rejected(f"weight {weight!r} is out of bounds [0, {MAX_WEIGHT:g}]")
+    return float(weight)
+
+
+class Matchmaker:
+    def __init__(self, transport: Transport, header: dict[str, Any], group_size: int) -> None:
+        self.transport = transport
+        self.me = transport.peer_id
+        self.header = header
+        self.group_size = group_size
+        self.lobbies: dict[int, Lobby] = {}
+        self.join_timeout = 60.0
+
+    def _lobby(self, round_: int) -> Lobby:
+        if round_ not in self.lobbies:
+            self.lobbies[round_] = Lobby(round_)
+            for old in [r for r in self.lobbies if r < round_ - 2]:
+                del self.lobbies[old]
+        return self.lobbies[round_]
+
+    async def on_join(self, sender: str, header: dict[str, Any], current_round: int) -> dict[str, Any]:
+        round_ = header.get("round")
+        if not isinstance(round_, int) or round_ < current_round:
+            raise Rejected(f"round {round_!r} is over (this peer is at round {current_round})")
+        if round_ > current_round + 1:
+            raise Rejected(f"round {round_} is too far ahead of this peer's round {current_round}")
+        weight = check_weight(header.get("weight"))
+        lobby = self._lobby(round_)
+        if lobby.result.done():
+            raise Rejected(f"the group of round {round_} is already formed")
+        if lobby.redirect is not None:
+            return {"redirect": lobby.redirect}
+        lobby.joined[sender] = weight
+        lobby.changed.set()
+        redirected = asyncio.ensure_future(lobby.redirected.wait())
+        try:
+            await asyncio.wait([lobby.result, redirected], timeout=self.join_timeout, return_when="FIRST_COMPLETED")
+        finally:
+            redirected.cancel()
+        if lobby.result.done():
+            group = lobby.result.result()
+            if sender not in group.members:
+                raise Rejected(f"the group of round {round_} is full")
+            return {"members": list(group.members), "weights": list(group.weights)}
+        lobby.joined.pop(sender, None)
+        if lobby.redirect is not None:
+            return {"redirect": lobby.redirect}
+        raise Rejected(f"the leader of round {round_} was not ready in time")
+
+    async def form_group(
+        self, round_: int, weight: float, candidates: list[str], expected: set[str], gather_timeout: float
+    ) -> Group:
+        """Meet the others of my gossip group for ``round_``; a group of one if nobody can be reached."""
+        lobby = self._lobby(round_)
+        queue, tried = list(candidates), set()
+        while queue:
+            candidate = queue.pop(0)
+            if candidate in tried:
+                continue
+            tried.add(candidate)
+            if candidate == self.me:
+                return await self._lead(lobby, weight, expected, gather_timeout)
+            lobby.redirect = candidate
+            lobby.redirected.set()
+            lobby.redirected = asyncio.Event()
+            request = {**self.header, "round": round_, "weight": weight}
+            try:
+                answer, _ = await self.transport.call(candidate, "join", request, timeout=self.join_timeout + 5)
+            except (PeerUnreachable, RpcTimeout, RemoteError) as exc:
+                log.info("round %d: could not join %s: %s", round_, candidate[-8:], exc)
+                continue
+            if "redirect" in answer:
+                target = answer["redirect"]
+                if isinstance(target, str) and target not in tried:
+                    queue.insert(0, target)
+                continue
+            group = self._parse_group(round_, answer)
+            if group is not None:
+                return group
+        lobby.redirect = None
+        group = Group(round_, (self.me,), (weight,))
+        if not lobby.result.done():
+            lobby.result.set_result(group)
+        return group
+
+    def _parse_group(self, round_: int, answer: dict[str, Any]) -> Group | None:
+        members, weights = answer.get("members"), answer.get("weights")
+        try:
+            if not isinstance(members, list) or not isinstance(weights, list) or len(members) != len(weights):
+                raise Rejected("malformed group")
+            if not all(isinstance(m, str) for m in members) or len(set(members)) != len(members):
+                raise Rejected("malformed member list")
+            group = Group(round_, tuple(members), tuple(check_weight(w) for w in weights))
+        except Rejected as exc:
+            log.warning("round %d: leader sent a bad group: %s", round_, exc)
+            return None
+        return group if self.me in group.members else None
+
+    async def _lead(self, lobby: Lobby, weight: float, expected: set[str], gather_timeout: float) -> Group:
+        lobby.redirect = None
+        lobby.joined[self.me] = weight
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + gather_timeout
+        while not expected <= lobby.joined.keys() and len(lobby.joined) < self.group_size:
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                break
+            lobby.changed.clear()
+            try:
+                await asyncio.wait_for(lobby.changed.wait(), remaining)
+            except TimeoutError:
+                break
+        members = sorted(lobby.joined)[: self.group_size]
+        if self.me not in members:
+            members = sorted([*members[:-1], self.me])
+        group = Group(lobby.round, tuple(members), tuple(lobby.joined[m] for m in members))
+        lobby.result.set_result(group)
+        missing = expected - set(members)
+        if missing:
+            log.info("round %d: formed a group of %d without %s", lobby.round, group.size, [m[-8:] for m in missing])
+        return group

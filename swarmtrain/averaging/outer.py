@@ -1,0 +1,51 @@
+"""The outer optimizer of DiLoCo on flat tensors, and the digest that replicas compare.
+
+``theta_g -= lr * (g + momentum * buf)`` with ``buf = momentum * buf + g`` (Nesterov), where ``g`` is the
+averaged pseudo-gradient ``theta_g - theta_local``. FedAvg is lr 1 without momentum: theta_g becomes the
+weighted average of the local models. Every operation is elementwise in a fixed order, so members that apply
+the same averaged update to the same state end bit-identical.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import torch
+
+
+class OuterOptimizer:
+    def __init__(self, theta: torch.Tensor, lr: float, momentum: float, nesterov: bool = True) -> None:
+        self.theta = theta
+        self.lr = lr
+        self.momentum = momentum
+        self.nesterov = nesterov
+        self.buf = torch.zeros_like(theta)
+
+    def step(self, grad: torch.Tensor) -> None:
+        if self.momentum:
+            self.buf.mul_(self.momentum).add_(grad)
+            update = grad.add(self.buf, alpha=self.momentum) if self.nesterov else self.buf
+        else:
+            update = grad
+        self.theta.sub_(update, alpha=self.lr)
+
+    def state_tensors(self) -> dict[str, torch.Tensor]:
+        return {"theta": self.theta, "momentum": self.buf}
+
+    def load_state_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
+        for name, target in self.state_tensors().items():
+            value = tensors[name]
+            if value.shape != target.shape or value.dtype != target.dtype:
+                raise ValueError(f"{name}: got {tuple(value.shape)} {value.dtype}, want {tuple(target.shape)}")
+            target.copy_(value)
+
+    def digest(self) -> str:
+        return state_digest(self.theta, self.buf)
+
+
+def state_digest(*tensors: torch.Tensor) -> str:
+    """A short hash of the exact bytes of ``tensors``: equal digests mean bit-identical replicas."""
+    h = hashlib.blake2b(digest_size=12)
+    for t in tensors:
+        h.update(t.detach().contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()

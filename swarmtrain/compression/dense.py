@@ -1,0 +1,97 @@
+"""Dense float codecs: fp32 (lossless), fp16 and bf16 (one rounding per element).
+
+Bytes per parameter: fp32 4, fp16 2, bf16 2, plus a 16-byte header per payload. fp16 keeps 11 significant bits
+but only covers magnitudes up to 65504 (larger values saturate there; error feedback carries the rest) and
+flushes values below about 6e-8 to zero; bf16 keeps 8 significant bits over fp32's whole range. Both round to
+nearest even. These payloads can be summed elementwise, so they suit reduce-scatter and downlink broadcasts.
+
+The helpers here also store the float values of the sparse and low-rank codecs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from swarmtrain.compression.base import BaseCodec, CodecState, Options
+from swarmtrain.compression.wire import Params, as_buffer, read_tensor
+
+FLOAT_DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def saturate(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``x`` cast to ``dtype`` with out-of-range magnitudes clamped to its largest finite value, not inf."""
+    if dtype == torch.float32:
+        return x
+    limit = torch.finfo(dtype).max
+    return x.clamp(-limit, limit).to(dtype)
+
+
+def float_size(count: int, dtype: torch.dtype) -> int:
+    """Bytes that ``count`` values of ``dtype`` occupy on the wire."""
+    return count * torch.empty((), dtype=dtype).element_size()
+
+
+def float_body(x: torch.Tensor, dtype: torch.dtype) -> memoryview:
+    """The wire bytes of ``x`` stored as ``dtype``."""
+    return as_buffer(saturate(x, dtype))
+
+
+def float_read(body: memoryview, offset: int, count: int, dtype: torch.dtype) -> torch.Tensor:
+    """``count`` values of ``dtype`` at ``body[offset:]`` as float32."""
+    return read_tensor(body, offset, count, dtype).to(torch.float32)
+
+
+class _FloatCodec(BaseCodec):
+    """Every element stored in ``dtype``; no parameters."""
+
+    dtype: torch.dtype = torch.float32
+
+    @property
+    def spec(self) -> str:
+        return self.name
+
+    def _params(self, numel: int) -> Params:
+        return {}
+
+    def _body_size(self, params: Params, numel: int) -> int:
+        return float_size(numel, self.dtype)
+
+    def _encode(self, x: torch.Tensor, state: CodecState | None) -> tuple[Params, list[memoryview | bytes]]:
+        return {}, [float_body(x, self.dtype)]
+
+    def _decode(self, params: Params, body: memoryview, numel: int) -> torch.Tensor:
+        return float_read(body, 0, numel, self.dtype)
+
+    @classmethod
+    def from_options(cls, options: Options) -> _FloatCodec:
+        options.done()
+        return cls()
+
+
+@dataclass(frozen=True)
+class Fp32Codec(_FloatCodec):
+    """Lossless float32: 4 bytes per parameter plus a 16-byte header."""
+
+    name = "fp32"
+    codec_id = 0
+    dtype = torch.float32
+
+
+@dataclass(frozen=True)
+class Fp16Codec(_FloatCodec):
+    """IEEE half: 2 bytes per parameter plus a 16-byte header; relative error <= 2**-11 for |x| in [6e-5, 65504]."""
+
+    name = "fp16"
+    codec_id = 1
+    dtype = torch.float16
+
+
+@dataclass(frozen=True)
+class Bf16Codec(_FloatCodec):
+    """bfloat16: 2 bytes per parameter plus a 16-byte header; relative error <= 2**-9 over fp32's range."""
+
+    name = "bf16"
+    codec_id = 2
+    dtype = torch.bfloat16

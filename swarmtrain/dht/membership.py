@@ -1,0 +1,123 @@
+"""Swarm membership on hivemind's Kademlia DHT: signed, expiring peer records refreshed by heartbeats.
+
+Each node stores one record under the key ``<run_id>_peers`` with a subkey holding its peer id and its RSA
+public key; hivemind's ``RSASignatureValidator`` lets only the owner write it, and ``SchemaValidator`` makes
+other peers refuse records of the wrong shape. Records expire ``ttl`` seconds after their last heartbeat, so
+a crashed node drops out of every view without announcing anything. Reading parses every record again with
+our own schema and drops (with a logged reason) anything malformed or from another run or protocol version.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any, Optional
+
+import pydantic.v1 as pv1
+from hivemind.dht.crypto import RSASignatureValidator
+from hivemind.dht.node import DHTNode
+from hivemind.dht.schema import BytesWithPublicKey, SchemaValidator
+from hivemind.utils.crypto import RSAPrivateKey
+from hivemind.utils.timed_storage import get_dht_time
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+log = logging.getLogger(__name__)
+
+
+class PeerRecord(BaseModel):
+    """What a node tells the swarm about itself."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    peer_id: str = Field(min_length=1, max_length=128)
+    addrs: list[str] = Field(default_factory=list, max_length=16)
+    proto: int
+    run_id: str = Field(max_length=128)
+    round: int = Field(ge=0)
+    phase: str = Field(max_length=16)  # training | averaging | syncing | bootstrap | leaving
+    tokens_per_s: float = Field(ge=0.0)
+    batch_size: int = Field(ge=0)
+    digest: str = Field("", max_length=64)
+
+
+class _RecordV1(pv1.BaseModel):
+    peer_id: pv1.StrictStr
+    addrs: list[pv1.StrictStr]
+    proto: pv1.StrictInt
+    run_id: pv1.StrictStr
+    round: pv1.StrictInt
+    phase: pv1.StrictStr
+    tokens_per_s: pv1.StrictFloat
+    batch_size: pv1.StrictInt
+    digest: pv1.StrictStr
+
+
+class _PeersSchemaV1(pv1.BaseModel):
+    peers: dict[BytesWithPublicKey, Optional[_RecordV1]]  # noqa: UP045 (pydantic v1 needs Optional)
+
+
+def record_validators(run_id: str, private_key: RSAPrivateKey) -> tuple[RSASignatureValidator, SchemaValidator]:
+    """Validators a DHT node of this swarm installs: owner signatures and the record schema."""
+    return RSASignatureValidator(private_key), SchemaValidator(_PeersSchemaV1, prefix=run_id)
+
+
+class Membership:
+    """Publishes this node's record and keeps a live view of the swarm."""
+
+    def __init__(self, dht: DHTNode, signer: RSASignatureValidator, record: PeerRecord, ttl: float) -> None:
+        self.dht = dht
+        self.record = record
+        self.ttl = ttl
+        self.key = f"{record.run_id}_peers"
+        self.subkey = record.peer_id.encode() + signer.local_public_key
+        self.view: dict[str, PeerRecord] = {record.peer_id: record}
+        self.seen_at: dict[str, float] = {}
+
+    def update(self, **changes: Any) -> None:
+        self.record = self.record.model_copy(update=changes)
+
+    async def publish(self) -> bool:
+        value = self.record.model_dump()
+        return await self.dht.store(self.key, value, get_dht_time() + self.ttl, subkey=self.subkey)
+
+    async def refresh(self) -> dict[str, PeerRecord]:
+        found = await self.dht.get(self.key, latest=True)
+        view: dict[str, PeerRecord] = {self.record.peer_id: self.record}
+        if found is not None and isinstance(found.value, dict):
+            for subkey, item in found.value.items():
+                record = self._parse(subkey, item.value)
+                if record is not None and record.peer_id != self.record.peer_id and record.phase != "leaving":
+                    view[record.peer_id] = record
+        self.view = view
+        return view
+
+    def _parse(self, subkey: Any, value: Any) -> PeerRecord | None:
+        try:
+            record = PeerRecord.model_validate(value)
+        except ValidationError as exc:
+            log.warning("ignoring a malformed peer record under %r: %s", subkey[:16], exc.errors()[0]["msg"])
+            return None
+        if not isinstance(subkey, bytes) or not subkey.startswith(record.peer_id.encode()):
+            log.warning("ignoring peer record of %s stored under another peer's subkey", record.peer_id[-8:])
+            return None
+        if record.run_id != self.record.run_id or record.proto != self.record.proto:
+            log.debug("ignoring %s: run %r v%d", record.peer_id[-8:], record.run_id, record.proto)
+            return None
+        return record
+
+    async def run(self, period: float) -> None:
+        """Heartbeat: publish and refresh every ``period`` seconds until cancelled."""
+        while True:
+            started = time.monotonic()
+            try:
+                await self.publish()
+                await self.refresh()
+            except Exception as exc:  # a DHT hiccup must never take the node down
+                log.warning("membership heartbeat failed: %r", exc)
+            await asyncio.sleep(max(0.0, period - (time.monotonic() - started)))
+
+    async def leave(self) -> None:
+        """Announce a graceful leave: a short-lived record in phase 'leaving' replaces ours."""
+        self.update(phase="leaving")
+        await self.dht.store(self.key, self.record.model_dump(), get_dht_time() + 5.0, subkey=self.subkey)

@@ -1,0 +1,114 @@
+"""Process-level entry points: run a node or a bootstrap peer until Ctrl+C, query the swarm's status.
+
+Ctrl+C (or SIGTERM) leaves gracefully: the node announces its leave, writes a checkpoint and stops its
+daemons; a second Ctrl+C exits at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import uvloop
+from hivemind.utils.crypto import RSAPrivateKey
+from rich.console import Console
+from rich.table import Table
+
+from swarmtrain.config import Config
+from swarmtrain.dht import PeerRecord
+from swarmtrain.node.node import Node, NodeError, join_line, start_dht, start_p2p
+
+
+def run_until_interrupted(main: Callable[[], Awaitable[None]]) -> None:
+    """Run ``main`` in a uvloop loop; the first SIGINT/SIGTERM cancels it (clean leave), the second exits."""
+
+    async def runner() -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        loop = asyncio.get_running_loop()
+        signals = 0
+
+        def on_signal() -> None:
+            nonlocal signals
+            signals += 1
+            if signals == 1:
+                print("leaving the swarm gracefully (press Ctrl+C again to exit at once)", flush=True)
+                task.cancel()
+            else:
+                os._exit(130)
+
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, on_signal)
+        with contextlib.suppress(asyncio.CancelledError):
+            await main()
+
+    uvloop.run(runner())
+
+
+def run_node(config: Config) -> None:
+    run_until_interrupted(Node(config).run)
+
+
+def run_bootstrap(config: Config) -> None:
+    """A DHT-only peer: an entry point for a public or private swarm; trains nothing."""
+
+    async def main() -> None:
+        identity = Path(config.node.identity) if config.node.identity else Path(config.run_dir) / "identity.key"
+        p2p = await start_p2p(config, identity)
+        try:
+            dht = await start_dht(p2p, config, RSAPrivateKey())
+            maddrs = await p2p.get_visible_maddrs()
+            print(f"bootstrap peer {p2p.peer_id} is up; nodes join with: swarmtrain node {join_line(maddrs)}")
+            try:
+                await asyncio.Event().wait()
+            finally:
+                await dht.shutdown()
+        finally:
+            await p2p.shutdown()
+
+    run_until_interrupted(main)
+
+
+async def fetch_records(config: Config) -> list[PeerRecord]:
+    if not config.node.join:
+        raise NodeError("node error: `swarmtrain status` needs --join ADDR: the address of any peer of the swarm.")
+    p2p = await start_p2p(config, None)
+    try:
+        dht = await start_dht(p2p, config, RSAPrivateKey(), client=True)
+        try:
+            found = await dht.get(f"{config.node.run_id}_peers", latest=True)
+        finally:
+            await dht.shutdown()
+    finally:
+        await p2p.shutdown()
+    records = []
+    if found is not None and isinstance(found.value, dict):
+        for item in found.value.values():
+            with contextlib.suppress(ValueError):
+                records.append(PeerRecord.model_validate(item.value))
+    return sorted(records, key=lambda r: r.peer_id)
+
+
+def show_status(config: Config, as_json: bool) -> None:
+    records: list[PeerRecord] = []
+
+    async def main() -> None:
+        records.extend(await asyncio.wait_for(fetch_records(config), 60))
+
+    uvloop.run(main())
+    if as_json:
+        print(json.dumps([r.model_dump() for r in records], indent=2))
+        return
+    table = Table(title=f"swarm {config.node.run_id!r}: {len(records)} peers")
+    for column in ("peer", "round", "phase", "tokens/s", "batch", "digest", "address"):
+        table.add_column(column)
+    for r in records:
+        row: list[Any] = [r.peer_id[-12:], r.round, r.phase, f"{r.tokens_per_s:,.0f}", r.batch_size, r.digest[:8]]
+        table.add_row(*map(str, row), r.addrs[0] if r.addrs else "")
+    Console().print(table)

@@ -1,0 +1,242 @@
+"""One swarm node: P2P daemon, DHT, membership, averaging service and the training loop in one event loop.
+
+    swarmtrain node --config run.toml
+    swarmtrain node --config run.toml --join /ip4/203.0.113.5/tcp/31337/p2p/12D3KooW...
+
+Each round: H inner AdamW steps in a worker thread (torch releases the GIL, so the loop keeps serving RPCs and
+heartbeats), then the outer step with the node's group, then one JSON line in ``<run_dir>/metrics.jsonl``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+import zlib
+from pathlib import Path
+from typing import Any
+
+import torch
+from hivemind.dht.node import DHTNode
+from hivemind.dht.validation import CompositeValidator
+from hivemind.p2p import P2P
+from hivemind.utils.crypto import RSAPrivateKey
+from torch.nn.utils import parameters_to_vector, vector_to_parameters
+
+from swarmtrain.averaging import PROTOCOL_VERSION, Averager, RoundOutcome, leader_candidates
+from swarmtrain.compression import get_codec
+from swarmtrain.config import Config, write_resolved
+from swarmtrain.data import load_corpus
+from swarmtrain.dht import Membership, PeerRecord, record_validators
+from swarmtrain.errors import SwarmtrainError
+from swarmtrain.net import P2PTransport
+from swarmtrain.train import Trainer, configure_threads, save_checkpoint
+
+log = logging.getLogger(__name__)
+
+
+class NodeError(SwarmtrainError):
+    """The node cannot start or reach the swarm."""
+
+
+async def start_p2p(config: Config, identity: Path | None, client: bool = False) -> P2P:
+    """Start the p2pd daemon; an unreachable --join address becomes a clear error."""
+    node = config.node
+    kwargs: dict[str, Any] = {"host_maddrs": node.host, "announce_maddrs": node.announce or None}
+    if identity is not None:
+        identity.parent.mkdir(parents=True, exist_ok=True)
+        kwargs["identity_path"] = str(identity)
+    try:
+        return await P2P.create(initial_peers=node.join or None, **kwargs)
+    except Exception as exc:
+        raise NodeError(
+            f"node error: could not start the p2p daemon or reach the peers in node.join ({exc}). Check that "
+            "each --join address is the full line a running peer printed and that its port is reachable; "
+            "`swarmtrain status --join ADDR` tests one address."
+        ) from None
+
+
+async def start_dht(p2p: P2P, config: Config, private_key: RSAPrivateKey, client: bool = False) -> DHTNode:
+    validator = CompositeValidator(record_validators(config.node.run_id, private_key))
+    try:
+        return await DHTNode.create(
+            p2p=p2p, initial_peers=config.node.join or None, client_mode=client, record_validator=validator,
+            ensure_bootstrap_success=True,
+        )  # fmt: skip
+    except Exception as exc:
+        raise NodeError(
+            f"node error: none of the peers in node.join answered as a DHT peer ({exc}). Check the addresses "
+            "and that those peers are running."
+        ) from None
+
+
+def join_line(maddrs: list[Any]) -> str:
+    addrs = [str(m) for m in maddrs]
+    public = [a for a in addrs if "/ip4/127." not in a] or addrs
+    return " ".join(f"--join {a}" for a in public[:1])
+
+
+class Node:
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        self.run_dir = Path(config.run_dir)
+        self.metrics_path = self.run_dir / "metrics.jsonl"
+
+    async def run(self) -> None:
+        config, node, avg = self.config, self.config.node, self.config.averaging
+        corpus = load_corpus(config.data)
+        corpus.check_context(config.model.context)
+        codec_up, codec_down = get_codec(avg.codec), get_codec(avg.codec_down or avg.codec)
+        identity = Path(node.identity) if node.identity else self.run_dir / "identity.key"
+        configure_threads(config.train.threads)
+
+        p2p = await start_p2p(config, identity)
+        private_key = RSAPrivateKey()
+        dht = None
+        try:
+            dht = await start_dht(p2p, config, private_key)
+            me = p2p.peer_id.to_base58()
+            data_seed = node.data_seed if node.data_seed is not None else zlib.crc32(me.encode())
+            trainer = Trainer(config, corpus, data_seed=data_seed)
+            theta = parameters_to_vector(trainer.model.parameters()).detach().clone()
+            transport = P2PTransport(p2p)
+            averager = Averager(
+                transport, theta, run_id=node.run_id, group_size=avg.group_size, outer_lr=avg.outer_lr,
+                outer_momentum=avg.outer_momentum, codec_up=codec_up, codec_down=codec_down,
+                part_numel=avg.part_numel, min_deadline=avg.min_deadline_s, deadline_factor=avg.deadline_factor,
+            )  # fmt: skip
+            await averager.start()
+            maddrs = await p2p.get_visible_maddrs()
+            record = PeerRecord(
+                peer_id=me, addrs=[str(m) for m in maddrs], proto=PROTOCOL_VERSION, run_id=node.run_id, round=0,
+                phase="training", tokens_per_s=0.0, batch_size=config.train.batch_size,
+            )  # fmt: skip
+            signer, _ = record_validators(node.run_id, private_key)
+            membership = Membership(dht, signer, record, ttl=node.record_ttl_s)
+            write_resolved(config, self.run_dir)
+            (self.run_dir / "join.txt").write_text("\n".join(str(m) for m in maddrs) + "\n")
+            print(f"peer {me} is up; to join this swarm run: swarmtrain node {join_line(maddrs)}", flush=True)
+            await membership.publish()
+            await membership.refresh()
+            heartbeat = asyncio.create_task(membership.run(node.heartbeat_s))
+            try:
+                await self._wait_for_peers(membership)
+                await self._sync_on_start(averager, membership, trainer)
+                await self._train(trainer, averager, membership, transport)
+            finally:
+                heartbeat.cancel()
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(membership.leave(), 3.0)
+                self._checkpoint(trainer, averager)
+        finally:
+            if dht is not None:
+                with contextlib.suppress(Exception):
+                    await dht.shutdown()
+            await p2p.shutdown()
+
+    async def _wait_for_peers(self, membership: Membership) -> None:
+        node = self.config.node
+        deadline = time.monotonic() + node.min_peers_timeout_s
+        if len(membership.view) < node.min_peers:
+            print(f"waiting for {node.min_peers} peers (node.min_peers) ...", flush=True)
+        while len(membership.view) < node.min_peers and time.monotonic() < deadline:
+            await asyncio.sleep(min(0.2, node.heartbeat_s))
+        if len(membership.view) < node.min_peers:
+            log.warning("only %d of node.min_peers=%d peers after %.0f s; training anyway",
+                        len(membership.view), node.min_peers, node.min_peers_timeout_s)  # fmt: skip
+
+    async def _sync_on_start(self, averager: Averager, membership: Membership, trainer: Trainer) -> None:
+        """A node that joins a swarm already under way downloads theta_g from a peer before training."""
+        others = sorted(
+            (r for p, r in membership.view.items() if p != averager.me), key=lambda r: r.round, reverse=True
+        )
+        if others and others[0].round > 0:
+            membership.update(phase="syncing")
+            if await averager.fetch_state([r.peer_id for r in others], None):
+                log.info("synced theta_g from the swarm at round %d", averager.round)
+            self._load_theta(trainer, averager)
+
+    def _load_theta(self, trainer: Trainer, averager: Averager) -> None:
+        with torch.no_grad():
+            vector_to_parameters(averager.outer.theta.clone(), trainer.model.parameters())
+
+    def _inner(self, trainer: Trainer, steps: int) -> tuple[float, int, float]:
+        started, tokens0, losses = time.perf_counter(), trainer.tokens, []
+        for _ in range(steps):
+            losses.append(trainer.train_step())
+        return sum(losses) / len(losses), trainer.tokens - tokens0, time.perf_counter() - started
+
+    async def _train(self, trainer: Trainer, averager: Averager, membership: Membership, transport: Any) -> None:
+        config, node = self.config, self.config.node
+        started = time.perf_counter()
+        last_inner = 0.0
+        while node.rounds == 0 or averager.round < node.rounds:
+            if config.train.max_time is not None and time.perf_counter() - started > config.train.max_time:
+                break
+            membership.update(round=averager.round, phase="training")
+            loss, tokens, inner_s = await asyncio.to_thread(self._inner, trainer, node.inner_steps)
+            last_inner = inner_s
+            membership.update(phase="averaging", tokens_per_s=tokens / max(inner_s, 1e-9))
+            await membership.publish()
+            sent, received = transport.counter.sent, transport.counter.received
+            delta = averager.outer.theta - parameters_to_vector(trainer.model.parameters()).detach()
+            live = list(membership.view)
+            candidates = leader_candidates(live, averager.me, averager.group_size, node.run_id, averager.round)
+            gather = max(config.averaging.min_gather_s, 0.5 * last_inner)
+            outcome = await averager.run_round(delta, float(tokens), candidates, set(candidates), gather)
+            self._load_theta(trainer, averager)
+            membership.update(round=averager.round, digest=outcome.digest)
+            bpb = None
+            if node.eval_every and averager.round % node.eval_every == 0:
+                bpb = await asyncio.to_thread(trainer.evaluate)
+            self._log_round(outcome, loss, tokens, transport, sent, received, bpb, started)
+            if averager.round % node.checkpoint_every == 0:
+                self._checkpoint(trainer, averager)
+        bpb = await asyncio.to_thread(trainer.evaluate)
+        self._append({"kind": "final", "peer_id": averager.me, "round": averager.round, "bpb": bpb,
+                      "elapsed_s": round(time.perf_counter() - started, 3), "tokens": trainer.tokens})  # fmt: skip
+        print(f"node {averager.me[-8:]}: {averager.round} rounds, held-out bpb {bpb:.3f}", flush=True)
+
+    def _log_round(
+        self, outcome: RoundOutcome, loss: float, tokens: int, transport: Any, sent: int, received: int,
+        bpb: float | None, started: float,
+    ) -> None:  # fmt: skip
+        record = {
+            "kind": "round",
+            "round": outcome.round,
+            "peer_id": transport.peer_id,
+            "group_id": outcome.group.group_id,
+            "group_size": outcome.group.size,
+            "group": list(outcome.group.members),
+            "weights": list(outcome.group.weights),
+            "digest": outcome.digest,
+            "loss": loss,
+            "tokens": tokens,
+            "bytes_sent": transport.counter.sent - sent,
+            "bytes_received": transport.counter.received - received,
+            "duration_s": round(outcome.duration_s, 4),
+            "codec": self.config.averaging.codec,
+            "outcome": outcome.outcome,
+            "applied_fraction": outcome.applied_fraction,
+            "excluded": outcome.excluded,
+            "elapsed_s": round(time.perf_counter() - started, 3),
+        }
+        if bpb is not None:
+            record["bpb"] = bpb
+        self._append(record)
+        log.info(
+            "round %d: %s in a group of %d, loss %.3f, %.2f s, digest %s",
+            outcome.round, outcome.outcome, outcome.group.size, loss, outcome.duration_s, outcome.digest[:8],
+        )  # fmt: skip
+
+    def _append(self, record: dict[str, Any]) -> None:
+        with open(self.metrics_path, "a", encoding="utf-8") as f:
+            f.write(json.dumps(record) + "\n")
+
+    def _checkpoint(self, trainer: Trainer, averager: Averager) -> None:
+        tensors, meta = trainer.state()
+        tensors.update({f"outer.{k}": v for k, v in averager.outer.state_tensors().items()})
+        meta.update({"round": averager.round, "digest": averager.outer.digest()})
+        save_checkpoint(self.run_dir, tensors, meta, keep=self.config.train.keep_checkpoints)

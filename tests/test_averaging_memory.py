@@ -1,0 +1,141 @@
+"""The round protocol in process: real Averagers over an in-memory network with seeded faults (milliseconds)."""
+
+from __future__ import annotations
+
+import asyncio
+import struct
+
+import pytest
+import torch
+
+from swarmtrain.averaging import Averager, gossip_groups, leader_candidates
+from swarmtrain.compression import get_codec
+from swarmtrain.net import MemoryNetwork, PeerUnreachable
+
+NUMEL = 10_000
+
+
+def make_swarm(n: int, codec: str = "fp32", *, lr: float = 1.0, momentum: float = 0.0, part_numel: int = 1000):
+    net = MemoryNetwork()
+    averagers = []
+    for i in range(n):
+        transport = net.transport(f"peer{i}")
+        averagers.append(
+            Averager(
+                transport, torch.zeros(NUMEL), run_id="test", group_size=16, outer_lr=lr, outer_momentum=momentum,
+                codec_up=get_codec(codec), codec_down=get_codec(codec), part_numel=part_numel,
+                min_deadline=2.0, deadline_factor=4.0,
+            )
+        )  # fmt: skip
+    return net, averagers
+
+
+async def run_round(averagers, deltas, weights, alive=None):
+    peers = [a.me for a in averagers]
+    alive = alive or peers
+    tasks = [
+        a.run_round(d, w, leader_candidates(alive, a.me, 16, "test", a.round), set(alive), gather_timeout=2.0)
+        for a, d, w in zip(averagers, deltas, weights, strict=True)
+        if a.me in alive
+    ]
+    return await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def test_group_applies_the_token_weighted_average_bit_identically() -> None:
+    net, averagers = make_swarm(4)
+    for a in averagers:
+        await a.start()
+    torch.manual_seed(0)
+    deltas = [torch.randn(NUMEL) for _ in averagers]
+    weights = [100.0, 200.0, 300.0, 400.0]
+    outcomes = await run_round(averagers, deltas, weights)
+    assert {o.outcome for o in outcomes} == {"applied"}
+    assert len({o.digest for o in outcomes}) == 1 and outcomes[0].group.size == 4
+    expected = -sum(w * d for w, d in zip(weights, deltas, strict=True)) / sum(weights)
+    torch.testing.assert_close(averagers[0].outer.theta, expected)
+    assert all(a.round == 1 for a in averagers)
+
+
+async def test_a_reducer_killed_after_its_first_part_is_dropped_the_same_way_by_all() -> None:
+    net, averagers = make_swarm(4)
+    for a in averagers:
+        await a.start()
+    sent = {"peer3": 0}
+
+    def fail_at(src: str, dst: str, method: str, header: dict) -> None:
+        if src == "peer3" and method == "part" and dst != "peer3":
+            sent["peer3"] += 1
+            if sent["peer3"] == 2:
+                net.kill("peer3")
+                raise PeerUnreachable("killed")
+
+    net.before_call = fail_at
+    deltas = [torch.randn(NUMEL) for _ in averagers]
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    survivors = (await run_round(averagers, deltas, [1.0] * 4))[:3]
+    assert loop.time() - started < averagers[0].deadline_s() + 3.0
+    assert len({o.digest for o in survivors}) == 1
+    assert {o.outcome for o in survivors} == {"fallback"}
+    assert all("peer3" in o.excluded for o in survivors)
+    # The dead reducer's shard (the last quarter) got the same fallback everywhere: no update there.
+    assert torch.count_nonzero(averagers[0].outer.theta[-NUMEL // 4 :]) == 0
+    # And the next round among the survivors is clean.
+    outcomes = await run_round(averagers[:3], deltas[:3], [1.0] * 3)
+    assert {o.outcome for o in outcomes} == {"applied"} and len({o.digest for o in outcomes}) == 1
+
+
+async def test_bad_payload_excludes_the_sender_but_keeps_replicas_identical() -> None:
+    net, averagers = make_swarm(3)
+    for a in averagers:
+        await a.start()
+    fp32 = get_codec("fp32")
+
+    class NaNInjector:  # a malicious or broken peer: valid framing, a NaN in every payload
+        name, sparse = "fp32", False
+
+        def encode(self, tensor, state=None):
+            payload = bytearray(fp32.encode(tensor))
+            payload[-4:] = struct.pack("<f", float("nan"))
+            return bytes(payload)
+
+        def decode(self, payload, numel):
+            return fp32.decode(payload, numel)
+
+    averagers[2].codec_up = NaNInjector()
+    deltas = [torch.randn(NUMEL) for _ in averagers]
+    outcomes = await run_round(averagers, deltas, [1.0] * 3)
+    assert len({o.digest for o in outcomes}) == 1
+    assert torch.isfinite(averagers[0].outer.theta).all()
+    assert all("peer2" in o.excluded for o in outcomes[:2])
+
+
+async def test_a_diverged_node_contributes_nothing_and_still_receives_the_average() -> None:
+    net, averagers = make_swarm(3)
+    for a in averagers:
+        await a.start()
+    deltas = [torch.ones(NUMEL), 3 * torch.ones(NUMEL), torch.full((NUMEL,), float("inf"))]
+    outcomes = await run_round(averagers, deltas, [1.0] * 3)
+    assert len({o.digest for o in outcomes}) == 1 and {o.outcome for o in outcomes} == {"applied"}
+    torch.testing.assert_close(averagers[2].outer.theta, torch.full((NUMEL,), -2.0))
+
+
+def test_gossip_groups_cover_everyone_and_change_with_the_round() -> None:
+    peers = [f"p{i}" for i in range(10)]
+    groups = gossip_groups(peers, 3, "run", 0)
+    assert sorted(p for g in groups for p in g) == sorted(peers)
+    assert all(3 <= len(g) <= 3 for g in groups[:-1]) or all(2 <= len(g) <= 3 for g in groups)
+    assert groups != gossip_groups(peers, 3, "run", 1)
+    assert gossip_groups(peers[:4], 16, "run", 0) == [sorted(peers[:4])]
+    assert leader_candidates(peers[:4], "p2", 16, "run", 0) == sorted(peers[:4])
+
+
+@pytest.mark.parametrize("codec", ["fp16"])
+async def test_lossy_down_codec_still_gives_identical_replicas(codec: str) -> None:
+    net, averagers = make_swarm(4, codec, lr=0.7, momentum=0.9)
+    for a in averagers:
+        await a.start()
+    for _ in range(3):
+        deltas = [torch.randn(NUMEL) for _ in averagers]
+        outcomes = await run_round(averagers, deltas, [1.0, 2.0, 3.0, 4.0])
+        assert len({o.digest for o in outcomes}) == 1 and {o.outcome for o in outcomes} == {"applied"}
