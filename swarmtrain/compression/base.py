@@ -51,6 +51,10 @@ class Codec(Protocol):
         """The float32 1-D tensor of length ``numel`` in ``payload``; ``CodecError`` if malformed."""
         ...
 
+    def payload_size(self, numel: int) -> int:
+        """Exact payload length in bytes for ``numel`` elements (sizes receive buffers, reports bytes/param)."""
+        ...
+
 
 class BaseCodec(ABC):
     """Shared encode/decode scaffolding; subclasses are frozen dataclasses holding their options."""
