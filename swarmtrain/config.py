@@ -172,6 +172,9 @@ class AveragingConfig(_Section):
     """The deadline is this multiple of the slowest of the last few all-reduces."""
     min_gather_s: float = Field(3.0, gt=0.0)
     """The leader waits at least this long for late members (longer if inner phases are long)."""
+    fail_at: str = Field("", pattern=r"^(round=\d+,part=\d+)?$")
+    """Fault injection for tests: 'round=R,part=P' makes this node kill itself (SIGKILL) right after sending
+    its P-th part in round R. Empty (the default) injects nothing."""
 
 
 class Config(_Section):

@@ -32,6 +32,7 @@ class Swarm:
     def __init__(self, root: Path, data: Path, settings: list[str]) -> None:
         self.root, self.data, self.settings = root, data, settings
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
+        self.daemons: dict[int, str] = {}  # p2pd children of our nodes: reaped too if a node was killed
 
     def start(self, name: str, rounds: int, join: str | None = None, extra: list[str] = ()) -> subprocess.Popen[bytes]:
         run_dir = self.root / name
@@ -47,15 +48,33 @@ class Swarm:
         self.procs[name] = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env)
         return self.procs[name]
 
+    def start_all(self, names: list[str], rounds: int, extra: list[str] = ()) -> None:
+        """Start ``names[0]``, then the others joining it; every node waits for all before round 0."""
+        settings = [f"node.min_peers={len(names)}", *extra]
+        self.start(names[0], rounds, extra=settings)
+        first = self.join_line(names[0])
+        for name in names[1:]:
+            self.start(name, rounds, join=first, extra=settings)
+        for name in names[1:]:
+            self.join_line(name)
+
     def join_line(self, name: str, timeout: float = 60) -> str:
         path = self.root / name / "join.txt"
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if path.exists() and path.read_text().strip():
+                self._note_daemons(self.procs[name].pid)
                 return path.read_text().split()[0]
             assert self.procs[name].poll() is None, self.log(name)
             time.sleep(0.1)
         raise AssertionError(f"{name} did not come up:\n{self.log(name)}")
+
+    def _note_daemons(self, pid: int) -> None:
+        for children in Path(f"/proc/{pid}/task").glob("*/children"):
+            for child in children.read_text().split():
+                cmdline = _cmdline(int(child))
+                if "p2pd" in cmdline:
+                    self.daemons[int(child)] = cmdline
 
     def log(self, name: str) -> str:
         return (self.root / name / "node.log").read_text(errors="replace")[-3000:]
@@ -88,3 +107,13 @@ class Swarm:
                 proc.kill()
         for proc in self.procs.values():
             proc.wait(timeout=30)
+        for pid, cmdline in self.daemons.items():
+            if _cmdline(pid) == cmdline:  # still our daemon, not a reused pid
+                os.kill(pid, signal.SIGKILL)
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
+    except OSError:
+        return ""

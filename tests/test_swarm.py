@@ -29,10 +29,7 @@ def digests_by_round(swarm: Swarm, names: list[str]) -> dict[int, dict[str, str]
 
 def test_four_nodes_agree_bit_for_bit_after_every_round(swarm: Swarm) -> None:
     names = [f"n{i}" for i in range(4)]
-    swarm.start("n0", rounds=5, extra=["node.min_peers=4"])
-    first = swarm.join_line("n0")
-    for name in names[1:]:
-        swarm.start(name, rounds=5, join=first, extra=["node.min_peers=4"])
+    swarm.start_all(names, rounds=5)
     swarm.wait(names, timeout=180)
     table = digests_by_round(swarm, names)
     assert sorted(table) == [0, 1, 2, 3, 4]
@@ -43,3 +40,50 @@ def test_four_nodes_agree_bit_for_bit_after_every_round(swarm: Swarm) -> None:
     assert all(r["bytes_sent"] > 0 and r["codec"] == "fp16" for r in rows)
     final = [r for r in swarm.metrics("n1") if r["kind"] == "final"][0]
     assert final["bpb"] < 8.0
+
+
+def test_survivors_of_a_kill_9_mid_all_reduce_agree_and_keep_training(swarm: Swarm) -> None:
+    names = [f"n{i}" for i in range(4)]
+    settings = ["node.min_peers=4"]
+    swarm.start("n0", 5, extra=settings)
+    first = swarm.join_line("n0")
+    swarm.start("n1", 5, join=first, extra=settings)
+    swarm.start("n2", 5, join=first, extra=settings)
+    swarm.start("n3", 5, join=first, extra=[*settings, "averaging.fail_at=round=2,part=1"])
+    for name in names[1:]:
+        swarm.join_line(name)
+    swarm.wait(names[:3], timeout=180)
+    assert swarm.procs["n3"].wait(timeout=10) == -9
+    assert [r["round"] for r in swarm.rounds("n3")] == [0, 1]  # it died inside round 2's all-reduce
+    table = digests_by_round(swarm, names[:3])
+    assert sorted(table) == [0, 1, 2, 3, 4]
+    for round_, digests in table.items():
+        assert len(digests) == 3 and len(set(digests.values())) == 1, (round_, digests)
+    killed_round = [r for r in swarm.rounds("n0") if r["round"] == 2][0]
+    deadline = 8 * 3  # averaging.min_deadline_s before any round was measured, times 3
+    assert killed_round["outcome"] in ("fallback", "applied") and killed_round["duration_s"] < deadline + 3 + 1
+    assert killed_round["group_size"] == 4
+    later = [r for r in swarm.rounds("n0") if r["round"] >= 3]
+    assert all(r["group_size"] == 3 and r["outcome"] == "applied" for r in later)
+
+
+def test_gossip_groups_agree_inside_and_mix_across(swarm: Swarm) -> None:
+    """6 nodes in groups of 3 that reshuffle every round, each starting from its own random init: members of a
+    group end every round identical, and the distance between replicas shrinks as the groups mix."""
+    names = [f"n{i}" for i in range(6)]
+    common = ["averaging.group_size=3", "averaging.outer_lr=1.0", "averaging.outer_momentum=0", "train.lr=1e-7"]
+    settings = [f"node.min_peers={len(names)}", *common]
+    swarm.start("n0", 6, extra=[*settings, "train.seed=0"])
+    first = swarm.join_line("n0")
+    for i, name in enumerate(names[1:], start=1):
+        swarm.start(name, 6, join=first, extra=[*settings, f"train.seed={i}"])
+    swarm.wait(names, timeout=240)
+    rows = [r for name in names for r in swarm.rounds(name)]
+    by_group: dict[str, set[str]] = {}
+    for r in rows:
+        assert r["group_size"] == 3, r
+        by_group.setdefault(r["group_id"], set()).add(r["digest"])
+    assert all(len(digests) == 1 for digests in by_group.values())
+    assert len(by_group) >= 6 * 2 - 1  # two groups per round, new ones every round
+    spread = {k: max(r["spread"] for r in rows if r["round"] == k and "spread" in r) for k in (0, 5)}
+    assert spread[5] < spread[0] / 10, spread

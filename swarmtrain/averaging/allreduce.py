@@ -23,6 +23,7 @@ import asyncio
 import hashlib
 import logging
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -135,12 +136,15 @@ class AllReduce:
         codec_down: Codec,
         part_numel: int,
         deadline: float,
+        on_part_sent: Callable[[int], None] | None = None,
+        tag: str = "",
     ) -> None:
         self.group, self.me, self.transport = group, me, transport
         self.delta = delta
         self.index = group.index(me)
         self.bounds = group.shard_bounds(delta.numel())
-        self.header = {**header, "group": group.group_id}
+        self.route = group.group_id + tag
+        self.header = {**header, "group": self.route}
         self.codec_up, self.codec_down = codec_up, codec_down
         self.part_numel = max(1, part_numel)
         loop_now = asyncio.get_running_loop().time()
@@ -159,6 +163,8 @@ class AllReduce:
         self.reports_in = {p: asyncio.Event() for p in group.members}
         self.digests: dict[str, str] = {}
         self.digests_in = {p: asyncio.Event() for p in group.members}
+        self.on_part_sent = on_part_sent
+        self.parts_sent = 0
 
     # ---- helpers ----------------------------------------------------------------------------------------
 
@@ -263,6 +269,10 @@ class AllReduce:
             body = self.codec_up.encode(shard[s:e])
             if not await self._send(self.group.members[j], "part", header, body, self.scatter_deadline):
                 return
+            if j != self.index:
+                self.parts_sent += 1
+                if self.on_part_sent is not None:
+                    self.on_part_sent(self.parts_sent)
 
     async def _reduce_and_broadcast(self) -> None:
         contributors = [p for p, w in zip(self.group.members, self.group.weights, strict=True) if w > 0]

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import signal
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -18,11 +20,11 @@ import torch
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
-from swarmtrain.averaging.allreduce import AllReduce
+from swarmtrain.averaging.allreduce import AllReduce, AllReduceResult
 from swarmtrain.averaging.group import Group
 from swarmtrain.averaging.matchmaking import Matchmaker
 from swarmtrain.averaging.outer import OuterOptimizer, state_digest
-from swarmtrain.compression import Codec
+from swarmtrain.compression import Codec, get_codec
 from swarmtrain.net import PeerUnreachable, Rejected, RemoteError, RpcTimeout, Transport
 
 log = logging.getLogger(__name__)
@@ -41,6 +43,7 @@ class RoundOutcome:
     applied_fraction: float
     excluded: list[str]
     duration_s: float
+    spread: float | None = None  # gossip: relative distance of my theta_g to my group's average before mixing
 
 
 class Averager:
@@ -58,6 +61,7 @@ class Averager:
         part_numel: int,
         min_deadline: float,
         deadline_factor: float,
+        fail_at: str = "",
     ) -> None:
         self.transport = transport
         self.me = transport.peer_id
@@ -72,6 +76,7 @@ class Averager:
         self.round = 0
         self._routes: dict[str, asyncio.Future[AllReduce]] = {}
         self._durations: list[float] = []
+        self.fail_at = tuple(int(kv.split("=")[1]) for kv in fail_at.split(",")) if fail_at else None
         self.max_body = max(codec_up.payload_size(part_numel), codec_down.payload_size(part_numel)) + 1024
 
     @property
@@ -169,6 +174,19 @@ class Averager:
                 log.info("state from %s failed: %s", peer[-8:], exc)
         return False
 
+    def _fault_hook(self, round_: int) -> Callable[[int], None] | None:
+        """The ``averaging.fail_at`` fault: SIGKILL this process after its P-th part of round R (tests only)."""
+        if self.fail_at is None or self.fail_at[0] != round_:
+            return None
+        part = self.fail_at[1]
+
+        def hook(sent: int) -> None:
+            if sent == part:
+                log.warning("fault injection: killing this node after part %d of round %d", part, round_)
+                os.kill(os.getpid(), signal.SIGKILL)
+
+        return hook
+
     # ---- one round ----------------------------------------------------------------------------------------
 
     async def run_round(
@@ -180,27 +198,35 @@ class Averager:
         if not torch.isfinite(delta).all():
             log.error("round %d: the local update is not finite (training diverged); contributing nothing", round_)
             delta, weight = torch.zeros_like(delta), 0.0
-        group = await self.matchmaker.form_group(round_, weight, candidates, expected, gather_timeout)
+        group = await self.matchmaker.form_group(
+            round_, weight, self.outer.digest(), candidates, expected, gather_timeout
+        )
         if group.size == 1:
             self.outer.step(delta)
             self.round += 1
             return RoundOutcome(round_, group, "applied", self.outer.digest(), 1.0, [], time.perf_counter() - started)
         allreduce_started = time.perf_counter()
         deadline = asyncio.get_running_loop().time() + self.deadline_s()
-        allreduce = AllReduce(
-            group, self.me, delta, self.transport, header=self.header, codec_up=self.codec_up,
-            codec_down=self.codec_down, part_numel=self.part_numel, deadline=deadline,
-        )  # fmt: skip
-        route = self._route(group.group_id)
-        if not route.done():
-            route.set_result(allreduce)
+        spread = None
+        if group.mixed:
+            # Gossip: members come from different groups of the last round, so their theta_g differ. Average
+            # theta_g and the momentum first (lossless fp32), then the update as usual.
+            state = torch.cat([self.outer.theta, self.outer.buf])
+            mixing = self._allreduce(group, state, deadline, codec=get_codec("fp32"), tag="/state")
+            mixed = await self._run(mixing)
+            numel = self.numel
+            if mixed.complete:
+                spread = float((self.outer.theta - mixed.average[:numel]).norm() / mixed.average[:numel].norm())
+                self.outer.theta.copy_(mixed.average[:numel])
+                self.outer.buf.copy_(mixed.average[numel:])
+        allreduce = self._allreduce(group, delta, deadline, fault=self._fault_hook(round_))
+        result = await self._run(allreduce)
+        self.outer.step(result.average)
+        digest = self.outer.digest()
         try:
-            result = await allreduce.run()
-            self.outer.step(result.average)
-            digest = self.outer.digest()
             agreed = await allreduce.exchange_digests(digest)
         finally:
-            asyncio.get_running_loop().call_later(30, self._routes.pop, group.group_id, None)
+            self._forget(allreduce)
         self._durations.append(time.perf_counter() - allreduce_started)
         outcome = "applied" if result.complete else "fallback"
         if digest != agreed:
@@ -211,4 +237,36 @@ class Averager:
             digest = self.outer.digest()
         self.round = round_ + 1
         applied = sum(result.applied) / group.size
-        return RoundOutcome(round_, group, outcome, digest, applied, result.excluded, time.perf_counter() - started)
+        return RoundOutcome(
+            round_, group, outcome, digest, applied, result.excluded, time.perf_counter() - started, spread
+        )
+
+    def _allreduce(
+        self,
+        group: Group,
+        vector: torch.Tensor,
+        deadline: float,
+        codec: Codec | None = None,
+        tag: str = "",
+        fault: Callable[[int], None] | None = None,
+    ) -> AllReduce:
+        allreduce = AllReduce(
+            group, self.me, vector, self.transport, header=self.header, codec_up=codec or self.codec_up,
+            codec_down=codec or self.codec_down, part_numel=self.part_numel, deadline=deadline,
+            on_part_sent=fault, tag=tag,
+        )  # fmt: skip
+        route = self._route(allreduce.route)
+        if not route.done():
+            route.set_result(allreduce)
+        return allreduce
+
+    async def _run(self, allreduce: AllReduce) -> AllReduceResult:
+        try:
+            return await allreduce.run()
+        except BaseException:
+            self._forget(allreduce)
+            raise
+
+    def _forget(self, allreduce: AllReduce) -> None:
+        """Drop the route after a grace period, so late messages are refused instead of waited on."""
+        asyncio.get_running_loop().call_later(30, self._routes.pop, allreduce.route, None)

@@ -17,10 +17,11 @@ class Group:
     round: int
     members: tuple[str, ...]
     weights: tuple[float, ...]
+    mixed: bool = False  # members start from different theta_g (gossip): average the state too
 
     @property
     def group_id(self) -> str:
-        text = f"{self.round}|{','.join(self.members)}|{','.join(repr(w) for w in self.weights)}"
+        text = f"{self.round}|{','.join(self.members)}|{','.join(repr(w) for w in self.weights)}|{self.mixed}"
         return hashlib.blake2b(text.encode(), digest_size=8).hexdigest()
 
     @property

@@ -27,6 +27,7 @@ MAX_WEIGHT = 1e15
 class Lobby:
     round: int
     joined: dict[str, float] = field(default_factory=dict)
+    digests: dict[str, str] = field(default_factory=dict)
     redirect: str | None = None
     redirected: asyncio.Event = field(default_factory=asyncio.Event)
     changed: asyncio.Event = field(default_factory=asyncio.Event)
@@ -64,12 +65,16 @@ class Matchmaker:
         if round_ > current_round + 1:
             raise Rejected(f"round {round_} is too far ahead of this peer's round {current_round}")
         weight = check_weight(header.get("weight"))
+        digest = header.get("digest")
+        if not isinstance(digest, str) or len(digest) > 64:
+            raise Rejected("join must carry the digest of the joiner's theta_g")
         lobby = self._lobby(round_)
         if lobby.result.done():
             raise Rejected(f"the group of round {round_} is already formed")
         if lobby.redirect is not None:
             return {"redirect": lobby.redirect}
         lobby.joined[sender] = weight
+        lobby.digests[sender] = digest
         lobby.changed.set()
         redirected = asyncio.ensure_future(lobby.redirected.wait())
         try:
@@ -80,14 +85,20 @@ class Matchmaker:
             group = lobby.result.result()
             if sender not in group.members:
                 raise Rejected(f"the group of round {round_} is full")
-            return {"members": list(group.members), "weights": list(group.weights)}
+            return {"members": list(group.members), "weights": list(group.weights), "mixed": group.mixed}
         lobby.joined.pop(sender, None)
         if lobby.redirect is not None:
             return {"redirect": lobby.redirect}
         raise Rejected(f"the leader of round {round_} was not ready in time")
 
     async def form_group(
-        self, round_: int, weight: float, candidates: list[str], expected: set[str], gather_timeout: float
+        self,
+        round_: int,
+        weight: float,
+        digest: str,
+        candidates: list[str],
+        expected: set[str],
+        gather_timeout: float,
     ) -> Group:
         """Meet the others of my gossip group for ``round_``; a group of one if nobody can be reached."""
         lobby = self._lobby(round_)
@@ -98,11 +109,11 @@ class Matchmaker:
                 continue
             tried.add(candidate)
             if candidate == self.me:
-                return await self._lead(lobby, weight, expected, gather_timeout)
+                return await self._lead(lobby, weight, digest, expected, gather_timeout)
             lobby.redirect = candidate
             lobby.redirected.set()
             lobby.redirected = asyncio.Event()
-            request = {**self.header, "round": round_, "weight": weight}
+            request = {**self.header, "round": round_, "weight": weight, "digest": digest}
             try:
                 answer, _ = await self.transport.call(candidate, "join", request, timeout=self.join_timeout + 5)
             except (PeerUnreachable, RpcTimeout, RemoteError) as exc:
@@ -129,30 +140,54 @@ class Matchmaker:
                 raise Rejected("malformed group")
             if not all(isinstance(m, str) for m in members) or len(set(members)) != len(members):
                 raise Rejected("malformed member list")
-            group = Group(round_, tuple(members), tuple(check_weight(w) for w in weights))
+            mixed = answer.get("mixed", False)
+            if not isinstance(mixed, bool):
+                raise Rejected("malformed mixed flag")
+            group = Group(round_, tuple(members), tuple(check_weight(w) for w in weights), mixed)
         except Rejected as exc:
             log.warning("round %d: leader sent a bad group: %s", round_, exc)
             return None
         return group if self.me in group.members else None
 
-    async def _lead(self, lobby: Lobby, weight: float, expected: set[str], gather_timeout: float) -> Group:
+    async def _drop_unreachable(self, lobby: Lobby, expected: set[str]) -> None:
+        """While the leader waits, forget expected members whose daemon is gone (a crash before joining)."""
+        while True:
+            await asyncio.sleep(0.5)
+            for peer in sorted(expected - lobby.joined.keys() - {self.me}):
+                try:
+                    await self.transport.call(peer, "ping", self.header, timeout=2.0)
+                except PeerUnreachable:
+                    expected.discard(peer)
+                except (RpcTimeout, RemoteError):
+                    pass
+
+    async def _lead(
+        self, lobby: Lobby, weight: float, digest: str, expected: set[str], gather_timeout: float
+    ) -> Group:
         lobby.redirect = None
         lobby.joined[self.me] = weight
+        lobby.digests[self.me] = digest
         loop = asyncio.get_running_loop()
         deadline = loop.time() + gather_timeout
-        while not expected <= lobby.joined.keys() and len(lobby.joined) < self.group_size:
-            remaining = deadline - loop.time()
-            if remaining <= 0:
-                break
-            lobby.changed.clear()
-            try:
-                await asyncio.wait_for(lobby.changed.wait(), remaining)
-            except TimeoutError:
-                break
+        expected = set(expected)
+        prober = asyncio.create_task(self._drop_unreachable(lobby, expected))
+        try:
+            while not expected <= lobby.joined.keys() and len(lobby.joined) < self.group_size:
+                remaining = deadline - loop.time()
+                if remaining <= 0:
+                    break
+                lobby.changed.clear()
+                try:
+                    await asyncio.wait_for(lobby.changed.wait(), min(remaining, 0.5))
+                except TimeoutError:
+                    pass
+        finally:
+            prober.cancel()
         members = sorted(lobby.joined)[: self.group_size]
         if self.me not in members:
             members = sorted([*members[:-1], self.me])
-        group = Group(lobby.round, tuple(members), tuple(lobby.joined[m] for m in members))
+        mixed = len({lobby.digests[m] for m in members}) > 1
+        group = Group(lobby.round, tuple(members), tuple(lobby.joined[m] for m in members), mixed)
         lobby.result.set_result(group)
         missing = expected - set(members)
         if missing:

@@ -106,6 +106,7 @@ class Node:
                 transport, theta, run_id=node.run_id, group_size=avg.group_size, outer_lr=avg.outer_lr,
                 outer_momentum=avg.outer_momentum, codec_up=codec_up, codec_down=codec_down,
                 part_numel=avg.part_numel, min_deadline=avg.min_deadline_s, deadline_factor=avg.deadline_factor,
+                fail_at=avg.fail_at,
             )  # fmt: skip
             await averager.start()
             maddrs = await p2p.get_visible_maddrs()
@@ -225,6 +226,8 @@ class Node:
         }
         if bpb is not None:
             record["bpb"] = bpb
+        if outcome.spread is not None:
+            record["spread"] = outcome.spread
         self._append(record)
         log.info(
             "round %d: %s in a group of %d, loss %.3f, %.2f s, digest %s",
