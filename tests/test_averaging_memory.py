@@ -108,6 +108,7 @@ async def test_bad_payload_excludes_the_sender_but_keeps_replicas_identical() ->
     assert len({o.digest for o in outcomes}) == 1
     assert torch.isfinite(averagers[0].outer.theta).all()
     assert all("peer2" in o.excluded for o in outcomes[:2])
+    assert [o.outcome for o in outcomes] == ["fallback", "fallback", "diverged-resynced"]
 
 
 async def test_a_diverged_node_contributes_nothing_and_still_receives_the_average() -> None:

@@ -2,6 +2,12 @@
 
 from __future__ import annotations
 
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -87,3 +93,30 @@ def test_gossip_groups_agree_inside_and_mix_across(swarm: Swarm) -> None:
     assert len(by_group) >= 6 * 2 - 1  # two groups per round, new ones every round
     spread = {k: max(r["spread"] for r in rows if r["round"] == k and "spread" in r) for k in (0, 5)}
     assert spread[5] < spread[0] / 10, spread
+
+
+def test_nodes_find_each_other_through_a_stock_hivemind_dht_bootstrap_peer(swarm: Swarm, tmp_path: Path) -> None:
+    log_path = tmp_path / "hivemind-dht.log"
+    with open(log_path, "wb") as log:
+        boot = subprocess.Popen(
+            [str(Path(sys.executable).with_name("hivemind-dht")), "--host_maddrs", "/ip4/127.0.0.1/tcp/0"],
+            stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+        )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 60
+        maddr = None
+        while maddr is None and time.monotonic() < deadline and boot.poll() is None:
+            found = re.search(r"(/ip4/127\.0\.0\.1/tcp/\d+/p2p/\w+)", log_path.read_text(errors="replace"))
+            maddr = found.group(1) if found else None
+            time.sleep(0.2)
+        assert maddr, log_path.read_text(errors="replace")
+        for name in ("a", "b"):  # neither node knows the other: only the hivemind peer
+            swarm.start(name, 3, join=maddr, extra=["node.min_peers=2"])
+        swarm.wait(["a", "b"], timeout=120)
+    finally:
+        os.killpg(boot.pid, signal.SIGKILL)  # the bootstrap peer's own session: its DHT process and daemon
+        boot.wait(timeout=30)
+    table = digests_by_round(swarm, ["a", "b"])
+    assert sorted(table) == [0, 1, 2]
+    assert all(len(set(d.values())) == 1 and len(d) == 2 for d in table.values())
+    assert all(r["group_size"] == 2 for r in swarm.rounds("a"))

@@ -189,7 +189,7 @@ class AllReduce:
         parts = self._parts(box.buffer.numel())
         part = header.get("part")
         if not isinstance(part, int) or not 0 <= part < len(parts):
-            raise Rejected(f"bad {what} part index {part!r}")
+            raise Rejected(f"bad {what} index {part!r}")
         if header.get("codec") != codec.name:
             raise Rejected(f"{what} codec {header.get('codec')!r} is not this round's {codec.name!r}")
         start, end = parts[part]
@@ -202,23 +202,31 @@ class AllReduce:
 
     def on_part(self, sender: str, header: dict[str, Any], body: bytes) -> None:
         self._check_member(sender)
-        if header.get("shard") != self.index:
-            raise Rejected(f"part for shard {header.get('shard')!r} sent to the reducer of shard {self.index}")
         box = self.inbox[sender]
         if self.reduced or sender in self.bad_senders or header.get("part") in box.parts:
             raise Rejected("late, duplicate or already excluded contribution")
         try:
+            if header.get("shard") != self.index:
+                raise Rejected(f"part for shard {header.get('shard')!r} sent to the reducer of shard {self.index}")
             self._store(box, header, body, self.codec_up, "part")
-        except Rejected:
+        except Rejected as exc:
+            # Left out of this round entirely: nobody waits for its parts, results or report any more.
             self.bad_senders.add(sender)
             box.complete.clear()
+            self.liveness.mark_dead(sender, f"sent a bad payload ({exc})")
             raise
 
     def on_result(self, sender: str, header: dict[str, Any], body: bytes) -> None:
         j = self._check_member(sender)
+        if sender in self.bad_senders:
+            raise Rejected("this round already excluded you for a bad payload")
         if header.get("shard") != j:
             raise Rejected(f"{sender[-8:]} reduces shard {j}, not {header.get('shard')!r}")
-        self._store(self.results[j], header, body, self.codec_down, "result")
+        try:
+            self._store(self.results[j], header, body, self.codec_down, "result")
+        except Rejected as exc:
+            self.liveness.mark_dead(sender, f"sent a bad result ({exc})")
+            raise
 
     def on_report(self, sender: str, header: dict[str, Any]) -> None:
         self._check_member(sender)

@@ -30,7 +30,7 @@ from swarmtrain.net import PeerUnreachable, Rejected, RemoteError, RpcTimeout, T
 log = logging.getLogger(__name__)
 
 PROTOCOL_VERSION = 1
-_ROUTE_WAIT = 10.0
+_ROUTE_WAIT = 5.0  # a member may hear of its group a moment after a peer that already sends
 _SMALL = 1 << 16
 
 
@@ -74,6 +74,7 @@ class Averager:
         self.matchmaker = Matchmaker(transport, self.header, group_size)
         self.group_size = group_size
         self.round = 0
+        self.needs_catch_up = False
         self._routes: dict[str, asyncio.Future[AllReduce]] = {}
         self._durations: list[float] = []
         self.fail_at = tuple(int(kv.split("=")[1]) for kv in fail_at.split(",")) if fail_at else None
@@ -166,6 +167,7 @@ class Averager:
                     log.warning("state from %s does not match its own digest", peer[-8:])
                     continue
                 self.outer.load_state_tensors(tensors)
+                self.needs_catch_up = False
                 round_ = answer.get("round")
                 if isinstance(round_, int) and round_ > self.round:
                     self.round = round_
@@ -202,8 +204,16 @@ class Averager:
             round_, weight, self.outer.digest(), candidates, expected, gather_timeout
         )
         if group.size == 1:
-            self.outer.step(delta)
             self.round += 1
+            if expected - {self.me}:
+                # Others are live but no group took me: applying my update alone would silently fork theta_g.
+                # Keep theta_g as it is and catch up from a peer before the next round instead.
+                self.needs_catch_up = True
+                log.warning("round %d: no group formed although peers are live; will catch up from them", round_)
+                return RoundOutcome(
+                    round_, group, "diverged", self.outer.digest(), 0.0, [], time.perf_counter() - started
+                )
+            self.outer.step(delta)
             return RoundOutcome(round_, group, "applied", self.outer.digest(), 1.0, [], time.perf_counter() - started)
         allreduce_started = time.perf_counter()
         deadline = asyncio.get_running_loop().time() + self.deadline_s()
@@ -229,13 +239,18 @@ class Averager:
             self._forget(allreduce)
         self._durations.append(time.perf_counter() - allreduce_started)
         outcome = "applied" if result.complete else "fallback"
-        if digest != agreed:
-            holders = [p for p, d in allreduce.digests.items() if d == agreed]
-            log.warning("round %d: my state digest disagrees with the group; resyncing", round_)
-            resynced = await self.fetch_state(holders, agreed)
+        confirmed = any(peer != self.me for peer in allreduce.digests)
+        if digest != agreed or not confirmed:
+            # In the minority, or nobody confirmed my digest (the group left me out): resync from the group.
+            others = [p for p in group.members if p != self.me]
+            holders = (
+                [p for p, d in allreduce.digests.items() if d == agreed and p != self.me] if confirmed else others
+            )
+            log.warning("round %d: my state digest is not the group's; resyncing", round_)
+            resynced = await self.fetch_state(holders, agreed if confirmed else None)
             outcome = "diverged-resynced" if resynced else "diverged"
             digest = self.outer.digest()
-        self.round = round_ + 1
+        self.round = max(self.round, round_ + 1)  # a resync may have moved us further
         applied = sum(result.applied) / group.size
         return RoundOutcome(
             round_, group, outcome, digest, applied, result.excluded, time.perf_counter() - started, spread

@@ -102,7 +102,7 @@ class Matchmaker:
     ) -> Group:
         """Meet the others of my gossip group for ``round_``; a group of one if nobody can be reached."""
         lobby = self._lobby(round_)
-        queue, tried = list(candidates), set()
+        queue, tried, retries = list(candidates), set(), 0
         while queue:
             candidate = queue.pop(0)
             if candidate in tried:
@@ -115,7 +115,7 @@ class Matchmaker:
             lobby.redirected = asyncio.Event()
             request = {**self.header, "round": round_, "weight": weight, "digest": digest}
             try:
-                answer, _ = await self.transport.call(candidate, "join", request, timeout=self.join_timeout + 5)
+                answer = await self._join(candidate, request)
             except (PeerUnreachable, RpcTimeout, RemoteError) as exc:
                 log.info("round %d: could not join %s: %s", round_, candidate[-8:], exc)
                 continue
@@ -123,6 +123,12 @@ class Matchmaker:
                 target = answer["redirect"]
                 if isinstance(target, str) and target not in tried:
                     queue.insert(0, target)
+                elif retries < 10:
+                    # It follows a leader I found dead: it is failing over too and may lead in a moment.
+                    retries += 1
+                    tried.discard(candidate)
+                    queue.insert(0, candidate)
+                    await asyncio.sleep(0.3)
                 continue
             group = self._parse_group(round_, answer)
             if group is not None:
@@ -132,6 +138,27 @@ class Matchmaker:
         if not lobby.result.done():
             lobby.result.set_result(group)
         return group
+
+    async def _join(self, leader: str, request: dict[str, Any]) -> dict[str, Any]:
+        """Long-poll the leader, pinging it meanwhile: a leader that stops answering pings is given up on
+        at once instead of after the whole join timeout (its daemon may linger after the process died)."""
+        call = asyncio.ensure_future(self.transport.call(leader, "join", request, timeout=self.join_timeout + 5))
+        misses = 0
+        try:
+            while True:
+                done, _ = await asyncio.wait([call], timeout=1.0)
+                if done:
+                    answer, _ = call.result()
+                    return answer
+                try:
+                    await self.transport.call(leader, "ping", self.header, timeout=1.5)
+                    misses = 0
+                except RpcTimeout:
+                    misses += 1
+                    if misses >= 2:
+                        raise
+        finally:
+            call.cancel()
 
     def _parse_group(self, round_: int, answer: dict[str, Any]) -> Group | None:
         members, weights = answer.get("members"), answer.get("weights")

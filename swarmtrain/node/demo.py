@@ -30,7 +30,7 @@ DEMO_SETTINGS = [
     "train.batch_size=16",
     "train.threads=1",
     "train.warmup_steps=50",
-    "node.inner_steps=25",
+    "node.inner_steps=20",
     "averaging.min_deadline_s=20",
 ]
 

@@ -148,16 +148,41 @@ class Node:
             log.warning("only %d of node.min_peers=%d peers after %.0f s; training anyway",
                         len(membership.view), node.min_peers, node.min_peers_timeout_s)  # fmt: skip
 
+    async def _catch_up(self, averager: Averager, membership: Membership, trainer: Trainer, wait_s: float) -> None:
+        """Download theta_g from a peer that is at our round or later (a joiner, or a node left out of a round).
+
+        Peers publish the digest of their theta_g with their round; the state is taken from the most advanced
+        peer whose bytes hash to the digest it serves.
+        """
+        deadline = time.monotonic() + wait_s
+        membership.update(phase="syncing")
+        while True:
+            ahead = sorted(
+                (
+                    r
+                    for p, r in membership.view.items()
+                    if p != averager.me and r.round >= averager.round and r.digest and r.phase != "syncing"
+                ),
+                key=lambda r: r.round,
+                reverse=True,
+            )
+            if ahead and await averager.fetch_state([r.peer_id for r in ahead], None):
+                log.info(
+                    "caught up with the swarm at round %d (digest %s)", averager.round, averager.outer.digest()[:8]
+                )
+                self._load_theta(trainer, averager)
+                return
+            if time.monotonic() > deadline:
+                log.warning("could not catch up with the swarm; training on from my own state")
+                averager.needs_catch_up = False
+                return
+            await asyncio.sleep(self.config.node.heartbeat_s)
+            await membership.refresh()
+
     async def _sync_on_start(self, averager: Averager, membership: Membership, trainer: Trainer) -> None:
         """A node that joins a swarm already under way downloads theta_g from a peer before training."""
-        others = sorted(
-            (r for p, r in membership.view.items() if p != averager.me), key=lambda r: r.round, reverse=True
-        )
-        if others and others[0].round > 0:
-            membership.update(phase="syncing")
-            if await averager.fetch_state([r.peer_id for r in others], None):
-                log.info("synced theta_g from the swarm at round %d", averager.round)
-            self._load_theta(trainer, averager)
+        if any(r.round > 0 for p, r in membership.view.items() if p != averager.me):
+            await self._catch_up(averager, membership, trainer, wait_s=30.0)
 
     def _load_theta(self, trainer: Trainer, averager: Averager) -> None:
         with torch.no_grad():
@@ -176,6 +201,8 @@ class Node:
         while node.rounds == 0 or averager.round < node.rounds:
             if config.train.max_time is not None and time.perf_counter() - started > config.train.max_time:
                 break
+            if averager.needs_catch_up:
+                await self._catch_up(averager, membership, trainer, wait_s=max(30.0, 4 * last_inner))
             membership.update(round=averager.round, phase="training")
             loss, tokens, inner_s = await asyncio.to_thread(self._inner, trainer, node.inner_steps)
             last_inner = inner_s

@@ -1,0 +1,179 @@
+"""Our group all-reduce vs hivemind's DecentralizedAverager, side by side in one run, on loopback.
+
+    python benchmarks/bench_allreduce.py --peers 4 --numel 10000000 --rounds 5
+
+Each system runs PEERS processes that average a NUMEL-element fp32 tensor, with fp32 and with fp16 payloads.
+Reported per case:
+- group wall time: per round, from the moment the last peer calls its step to the moment the last peer is
+  done (so waiting for stragglers is not counted, matchmaking is), median over the timed rounds;
+- bytes sent per peer per round: everything the loopback interface carried during the timed rounds
+  (payloads, framing, matchmaking, DHT), divided by peers and rounds; the ideal for a butterfly all-reduce
+  is 2 (n - 1) / n x payload.
+The last column is our time over hivemind's for the same codec (the goal is <= 0.8).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import statistics
+import time
+from pathlib import Path
+from tempfile import TemporaryDirectory
+
+import torch
+
+
+def lo_tx_bytes() -> int:
+    for line in Path("/proc/net/dev").read_text().splitlines():
+        name, _, fields = line.partition(":")
+        if name.strip() == "lo":
+            return int(fields.split()[8])
+    raise RuntimeError("no loopback interface in /proc/net/dev")
+
+
+def _wait_for(path: Path, timeout: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out waiting for {path}")
+        time.sleep(0.01)
+
+
+def _barrier(workdir: Path, idx: int) -> None:
+    (workdir / f"ready{idx}").touch()
+    _wait_for(workdir / "go", timeout=600)
+
+
+def ours_worker(idx: int, peers: int, numel: int, codec: str, rounds: int, workdir: str) -> None:
+    import uvloop
+    from hivemind.p2p import P2P
+
+    from swarmtrain.averaging import Averager
+    from swarmtrain.compression import get_codec
+    from swarmtrain.net import P2PTransport
+
+    torch.set_num_threads(1)
+    work = Path(workdir)
+
+    async def main() -> None:
+        join = [] if idx == 0 else [(work / "maddr0").read_text()]
+        p2p = await P2P.create(initial_peers=join or None, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+        (work / f"maddr{idx}").write_text(str((await p2p.get_visible_maddrs())[0]))
+        transport = P2PTransport(p2p)
+        averager = Averager(
+            transport, torch.zeros(numel), run_id="bench", group_size=peers, outer_lr=1.0, outer_momentum=0.0,
+            codec_up=get_codec(codec), codec_down=get_codec(codec), part_numel=1 << 20, min_deadline=60.0,
+            deadline_factor=10.0,
+        )  # fmt: skip
+        await averager.start()
+        (work / f"id{idx}").write_text(transport.peer_id)
+        for i in range(peers):
+            _wait_for(work / f"id{i}")
+        members = sorted((work / f"id{i}").read_text() for i in range(peers))
+        delta = torch.randn(numel, generator=torch.Generator().manual_seed(idx))
+        times = []
+        for r in range(rounds + 1):
+            if r == 1:
+                _barrier(work, idx)
+            start = time.time()
+            outcome = await averager.run_round(delta, 1.0, members, set(members), gather_timeout=60.0)
+            times.append((start, time.time(), outcome.outcome, outcome.group.size))
+        (work / f"result{idx}.json").write_text(json.dumps(times[1:]))
+        await asyncio_sleep(1.0)  # let the others finish reading our last results
+        await p2p.shutdown()
+
+    uvloop.run(main())
+
+
+async def asyncio_sleep(seconds: float) -> None:
+    import asyncio
+
+    await asyncio.sleep(seconds)
+
+
+def hivemind_worker(idx: int, peers: int, numel: int, codec: str, rounds: int, workdir: str) -> None:
+    from hivemind.averaging import DecentralizedAverager
+    from hivemind.compression import Float16Compression, NoCompression
+    from hivemind.dht import DHT
+
+    torch.set_num_threads(1)
+    work = Path(workdir)
+    join = [] if idx == 0 else [(work / "maddr0").read_text()]
+    dht = DHT(initial_peers=join, host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True)
+    (work / f"maddr{idx}").write_text(str(dht.get_visible_maddrs()[0]))
+    tensor = torch.randn(numel, generator=torch.Generator().manual_seed(idx))
+    averager = DecentralizedAverager(
+        [tensor], dht, start=True, prefix="bench", target_group_size=peers, min_group_size=peers,
+        min_matchmaking_time=1.0, request_timeout=3.0,
+        compression=Float16Compression() if codec == "fp16" else NoCompression(),
+    )  # fmt: skip
+    times = []
+    for r in range(rounds + 1):
+        if r == 1:
+            _barrier(work, idx)
+        start = time.time()
+        result = averager.step(timeout=120)
+        times.append((start, time.time(), "applied" if result else "failed", len(result or {})))
+    (work / f"result{idx}.json").write_text(json.dumps(times[1:]))
+    time.sleep(1.0)
+    averager.shutdown()
+    dht.shutdown()
+
+
+def run_case(system: str, peers: int, numel: int, codec: str, rounds: int) -> dict[str, float]:
+    worker = ours_worker if system == "swarmtrain" else hivemind_worker
+    ctx = mp.get_context("spawn")
+    with TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        procs = []
+        for i in range(peers):
+            procs.append(ctx.Process(target=worker, args=(i, peers, numel, codec, rounds, tmp), daemon=False))
+            procs[-1].start()
+            if i == 0:
+                _wait_for(work / "maddr0")
+        try:
+            for i in range(peers):
+                _wait_for(work / f"ready{i}", timeout=300)
+            before = lo_tx_bytes()
+            (work / "go").touch()
+            for i in range(peers):
+                _wait_for(work / f"result{i}.json", timeout=600)
+            after = lo_tx_bytes()
+        finally:
+            for p in procs:
+                p.join(timeout=60)
+                if p.is_alive():
+                    p.kill()
+                    p.join()
+        results = [json.loads((work / f"result{i}.json").read_text()) for i in range(peers)]
+    walls = [max(r[k][1] for r in results) - max(r[k][0] for r in results) for k in range(rounds)]
+    ok = all(r[k][2] == "applied" and r[k][3] == peers for r in results for k in range(rounds))
+    return {"wall_s": statistics.median(walls), "bytes_per_peer": (after - before) / (peers * rounds), "ok": ok}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--peers", type=int, default=4)
+    parser.add_argument("--numel", type=int, default=10_000_000)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--codecs", default="fp32,fp16")
+    args = parser.parse_args()
+    print(f"{args.peers} peers x {args.numel:,} fp32 elements, {args.rounds} timed rounds each (after one warm-up)")
+    print(f"{'codec':6} {'system':10} {'wall s':>8} {'MB sent/peer':>13} {'ideal MB':>9} {'ok':>4} {'ours/hm':>8}")
+    for codec in args.codecs.split(","):
+        payload = args.numel * (2 if codec == "fp16" else 4)
+        ideal = 2 * (args.peers - 1) / args.peers * payload
+        cases = {s: run_case(s, args.peers, args.numel, codec, args.rounds) for s in ("swarmtrain", "hivemind")}
+        for system, c in cases.items():
+            ratio = cases["swarmtrain"]["wall_s"] / c["wall_s"] if system == "hivemind" else float("nan")
+            print(
+                f"{codec:6} {system:10} {c['wall_s']:8.3f} {c['bytes_per_peer'] / 1e6:13.1f} {ideal / 1e6:9.1f} "
+                f"{'yes' if c['ok'] else 'NO':>4} {'' if ratio != ratio else f'{ratio:.2f}x':>8}",
+                flush=True,
+            )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,160 @@
+"""Bad input through the real RPC (two p2pd daemons in one loop): every malformed message is refused with a
+reason, the sender is left out of the round, and the node finishes its round with the others."""
+
+from __future__ import annotations
+
+import asyncio
+import struct
+from collections.abc import AsyncIterator
+
+import msgpack
+import pytest
+import torch
+from hivemind.dht.node import DHTNode
+from hivemind.dht.validation import CompositeValidator
+from hivemind.p2p import P2P, PeerID
+from hivemind.utils.crypto import RSAPrivateKey
+from hivemind.utils.timed_storage import get_dht_time
+
+from swarmtrain.averaging import PROTOCOL_VERSION, Averager, Group
+from swarmtrain.compression import get_codec
+from swarmtrain.dht import Membership, PeerRecord, record_validators
+from swarmtrain.net import P2PTransport, PeerUnreachable, RemoteError
+
+NUMEL = 4096
+HEADER = {"run": "test", "v": PROTOCOL_VERSION}
+
+
+@pytest.fixture
+async def pair() -> AsyncIterator[tuple[P2P, P2P]]:
+    a = await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    b = await P2P.create(initial_peers=await a.get_visible_maddrs(), host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    try:
+        yield a, b
+    finally:
+        await b.shutdown()
+        await a.shutdown()
+
+
+def make_averager(p2p: P2P, codec: str = "fp16") -> Averager:
+    return Averager(
+        P2PTransport(p2p), torch.zeros(NUMEL), run_id="test", group_size=16, outer_lr=1.0, outer_momentum=0.0,
+        codec_up=get_codec(codec), codec_down=get_codec(codec), part_numel=NUMEL, min_deadline=4.0,
+        deadline_factor=2.0,
+    )  # fmt: skip
+
+
+async def pong(sender: str, header: dict, body: bytes) -> tuple[dict, bytes]:
+    return {"round": 0}, b""
+
+
+def _payloads(length: int) -> list[tuple[dict, bytes, str]]:
+    """(header changes, body, expected reason) for every kind of bad part."""
+    fp16 = get_codec("fp16")
+    good = fp16.encode(torch.ones(length))
+    unknown_codec = bytearray(good)
+    unknown_codec[5] = 99
+    nan = bytearray(good)
+    nan[-2:] = struct.pack("<e", float("nan"))
+    return [
+        ({"run": "other"}, good, "run id"),
+        ({"v": PROTOCOL_VERSION + 1}, good, "protocol version"),
+        ({"codec": "fp32"}, get_codec("fp32").encode(torch.ones(length)), "not this round's"),  # wrong dtype
+        ({}, bytes(unknown_codec), "bad part payload"),
+        ({}, good[:-3], "bad part payload"),  # truncated
+        ({}, fp16.encode(torch.ones(length + 1)), "bad part payload"),  # wrong shape
+        ({}, bytes(nan), "bad part payload"),  # non-finite
+        ({"part": 5}, good, "bad part index"),
+        ({"shard": 9}, good, "sent to the reducer of shard"),
+    ]
+
+
+async def test_malformed_parts_are_refused_and_the_round_finishes_without_the_sender(pair) -> None:
+    a, b = pair
+    victim = make_averager(a)
+    await victim.start()
+    attacker = P2PTransport(b)
+    for method in ("ping", "part", "result", "report", "digest"):  # alive and listening, but sends garbage
+        await attacker.serve(method, pong, max_body=1 << 20)
+    me, evil = victim.me, attacker.peer_id
+    loop = asyncio.get_running_loop()
+    for round_, (changes, body, reason) in enumerate(_payloads(NUMEL // 2)):
+        group = Group(round_, tuple(sorted([me, evil])), (1.0, 1.0))
+        allreduce = victim._allreduce(group, torch.ones(NUMEL), loop.time() + 8.0)
+        header = {**HEADER, "group": allreduce.route, "shard": group.index(me), "part": 0, "codec": "fp16"}
+        run = asyncio.create_task(allreduce.run())
+        with pytest.raises(RemoteError, match=reason):
+            await attacker.call(me, "part", {**header, **changes}, body, timeout=10)
+        if "run id" in reason or "protocol" in reason:
+            run.cancel()  # refused before the round saw it: nothing to exclude
+            continue
+        started = loop.time()
+        result = await asyncio.wait_for(run, 10)
+        assert evil in result.excluded, reason
+        assert loop.time() - started < 4.0, "the round waited on an excluded peer"
+        assert torch.equal(result.average[: NUMEL // 2] if group.index(me) == 0 else result.average[NUMEL // 2 :],
+                           torch.ones(NUMEL // 2))  # fmt: skip
+
+    group = Group(99, tuple(sorted([me, evil])), (1.0, 1.0))
+    allreduce = victim._allreduce(group, torch.ones(NUMEL), loop.time() + 8.0)
+    header = {**HEADER, "group": allreduce.route, "shard": group.index(me), "part": 0, "codec": "fp16"}
+    with pytest.raises(PeerUnreachable):  # over the size limit: the stream is reset after 8 bytes
+        await attacker.call(me, "part", header, b"\0" * (victim.max_body + 1), timeout=10)
+    with pytest.raises(RemoteError, match="no group"):
+        await attacker.call(me, "part", {**header, "group": "feedfacefeedface"}, b"", timeout=10)
+    answer, _ = await attacker.call(me, "ping", HEADER, timeout=5)  # the victim still serves
+    assert answer["round"] == 0
+
+
+async def test_a_garbled_frame_never_crashes_the_handler(pair) -> None:
+    a, b = pair
+    victim = make_averager(a)
+    await victim.start()
+    _, reader, writer = await b.call_binary_stream_handler(PeerID.from_base58(victim.me), "swarmtrain/ping")
+    garbage = msgpack.packb([1, 2, 3])  # a list, not a map
+    writer.write(len(garbage).to_bytes(8, "big") + garbage + (0).to_bytes(8, "big"))
+    await writer.drain()
+    with pytest.raises((asyncio.IncompleteReadError, ConnectionError)):
+        await asyncio.wait_for(reader.readexactly(8), 5)
+    writer.close()
+    answer, _ = await P2PTransport(b).call(victim.me, "ping", HEADER, timeout=5)
+    assert answer["round"] == 0
+
+
+async def test_join_refuses_bad_weights_and_models_of_another_size(pair) -> None:
+    a, b = pair
+    victim = make_averager(a)
+    await victim.start()
+    attacker = P2PTransport(b)
+    join = {**HEADER, "round": 0, "digest": "x", "numel": NUMEL}
+    for weight, needle in [(float("inf"), "finite"), (-1.0, "out of bounds"), ("many", "finite")]:
+        with pytest.raises(RemoteError, match=needle):
+            await attacker.call(victim.me, "join", {**join, "weight": weight}, timeout=5)
+    with pytest.raises(RemoteError, match="parameters"):
+        await attacker.call(victim.me, "join", {**join, "weight": 1.0, "numel": NUMEL + 1}, timeout=5)
+    with pytest.raises(RemoteError, match="round 7 is too far ahead"):
+        await attacker.call(victim.me, "join", {**join, "weight": 1.0, "round": 7}, timeout=5)
+
+
+async def test_malformed_dht_records_are_ignored(pair) -> None:
+    a, b = pair
+    key = RSAPrivateKey()
+    honest = await DHTNode.create(p2p=a, record_validator=CompositeValidator(record_validators("test", key)))
+    rogue = await DHTNode.create(p2p=b, initial_peers=await a.get_visible_maddrs())  # validates nothing
+    try:
+        record = PeerRecord(
+            peer_id=a.peer_id.to_base58(), proto=PROTOCOL_VERSION, run_id="test", round=0, phase="training",
+            tokens_per_s=0.0, batch_size=1,
+        )  # fmt: skip
+        signer, _ = record_validators("test", key)
+        membership = Membership(honest, signer, record, ttl=30)
+        await membership.publish()
+        expiration = get_dht_time() + 30
+        await rogue.store("test_peers", {"peer_id": 5}, expiration, subkey=b"junk")
+        other_run = {**record.model_dump(), "peer_id": "QmOther", "run_id": "other"}
+        await rogue.store("test_peers", other_run, expiration, subkey=b"QmOther")
+        view = await membership.refresh()
+        assert list(view) == [record.peer_id]
+    finally:
+        await rogue.shutdown()
+        await honest.shutdown()
