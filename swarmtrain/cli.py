@@ -16,6 +16,7 @@ from rich.console import Console
 
 from swarmtrain.config import Config, known_keys, load_config
 from swarmtrain.errors import SwarmtrainError
+from swarmtrain.localtrain.cli import localtrain_group
 
 _common_options: list[Callable[[Callable[..., Any]], Callable[..., Any]]] = [
     click.option("--config", "config_path", type=click.Path(dir_okay=False), help="TOML config file."),
@@ -168,7 +169,7 @@ def keygen(path: str) -> None:
 
 @cli.command()
 @click.option("--nodes", type=int, default=4, show_default=True, help="Node processes to start on loopback.")
-@click.option("--rounds", type=int, default=8, show_default=True, help="Outer rounds to run.")
+@click.option("--rounds", type=int, default=5, show_default=True, help="Outer rounds to run.")
 @click.option("--run-dir", type=str, help="Where the nodes write their runs (default: runs/demo-<time>).")
 def demo(nodes: int, rounds: int, run_dir: str | None) -> None:
     """A whole swarm on this machine: NODES node processes on loopback train on the stdlib source.
@@ -206,6 +207,9 @@ def _flatten(tree: dict[str, Any], prefix: str = "") -> list[tuple[str, Any]]:
         else:
             items.append((f"{prefix}{key}", value))
     return items
+
+
+cli.add_command(localtrain_group)
 
 
 def main(argv: list[str] | None = None) -> None:

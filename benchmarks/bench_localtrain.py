@@ -1,0 +1,94 @@
+"""localtrain vs global backprop on this machine: a deep configuration and a small fast one, in one run.
+
+    python benchmarks/bench_localtrain.py --out runs/bench-localtrain.json
+    python benchmarks/bench_localtrain.py --preset fast --seeds 5 --data /tmp/english.txt
+
+Each preset is ``swarmtrain localtrain bench`` with fixed settings (the command line it matches is printed):
+``deep`` is the issue's 24-layer width-128 model, ``fast`` an 8-layer model whose steps are short enough for
+more steps and seeds. Both use S=2 stages and the same total thread budget for every method; tokens/s, peak
+process-tree PSS, held-out bits per byte and the paired quality gap (with its one-sided 95 % upper bound) are
+reported against global backprop. On a shared machine other work distorts throughput: run it when idle.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+from pathlib import Path
+
+from rich.console import Console
+
+from swarmtrain.localtrain.bench import BenchSpec, default_timing_skip, run_bench
+from swarmtrain.localtrain.cli import json_default, print_report, run_line
+from swarmtrain.localtrain.config import load_localtrain_config
+
+PRESETS: dict[str, dict[str, object]] = {
+    "deep": {
+        "overrides": [
+            "model.depth=24",
+            "model.width=128",
+            "model.heads=4",
+            "model.context=128",
+            "train.batch_size=8",
+            "train.warmup_steps=10",
+            "train.eval_batches=8",
+        ],
+        "steps": 30,
+        "methods": ["rgc-async"],
+    },
+    "fast": {
+        "overrides": [
+            "model.depth=8",
+            "model.width=128",
+            "model.heads=4",
+            "model.context=128",
+            "train.batch_size=16",
+            "train.warmup_steps=10",
+            "train.eval_batches=8",
+        ],
+        "steps": 40,
+        "methods": ["rgc-async", "broadcast-async"],
+    },
+}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--preset", choices=[*PRESETS, "both"], default="both")
+    parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--steps", type=int, help="Override the preset's step count.")
+    parser.add_argument("--threads", type=int, default=2, help="Total thread budget (default 2).")
+    parser.add_argument("--stages", type=int, default=2)
+    parser.add_argument("--method", action="append", help="Methods besides global-bp (default: the preset's).")
+    parser.add_argument("--data", help="Corpus (default: the Python standard library source).")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], help="Extra KEY=VALUE overrides.")
+    parser.add_argument("--out", type=Path, help="Write all results as JSON here.")
+    args = parser.parse_args()
+    console = Console(highlight=False, soft_wrap=True, width=140)
+    reports = {}
+    for name in PRESETS if args.preset == "both" else [args.preset]:
+        preset = PRESETS[name]
+        methods = tuple(args.method or preset["methods"])  # type: ignore[arg-type]
+        overrides = [*preset["overrides"], *args.overrides]  # type: ignore[misc]
+        steps = args.steps or int(preset["steps"])  # type: ignore[call-overload]
+        flags = {"data.path": args.data, "localtrain.stages": args.stages, "localtrain.threads": args.threads}
+        config, lt = load_localtrain_config(None, overrides, flags)
+        config.train.max_steps = steps
+        skip = default_timing_skip(lt, steps)
+        command = ["swarmtrain", "localtrain", "bench", "--stages", str(args.stages), "--threads", str(args.threads)]
+        command += [f"--method={m}" for m in methods] + ["--seeds", str(args.seeds), "--steps", str(steps)]
+        command += [f"--set={o}" for o in overrides] + ([f"--data={args.data}"] if args.data else [])
+        console.print(f"[bold]{name}[/bold]: {shlex.join(command)}")
+        spec = BenchSpec(config, lt, methods, tuple(range(args.seeds)), steps, skip)
+        report = run_bench(spec, on_result=lambda r: console.print(run_line(r), markup=False))
+        print_report(report, console)
+        reports[name] = report.to_json()
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(reports, indent=2, default=json_default) + "\n")
+        console.print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

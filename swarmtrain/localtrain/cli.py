@@ -1,0 +1,171 @@
+"""``swarmtrain localtrain ...``: the click group registered by ``swarmtrain.cli``.
+
+    swarmtrain localtrain bench --stages 2 --threads 2 --method rgc-async --method broadcast-async \\
+        --seeds 3 --steps 60 --set model.depth=24 --set model.width=128 --out bench.json
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+
+import click
+from rich.console import Console
+from rich.table import Table
+
+from swarmtrain.localtrain.bench import BenchReport, BenchSpec, RunResult, default_timing_skip, run_bench
+from swarmtrain.localtrain.config import METHODS, load_localtrain_config
+
+
+@click.group("localtrain")
+def localtrain_group() -> None:
+    """Bounded-horizon local training on this machine's cores (stages, shared-memory rings, RGC)."""
+
+
+@localtrain_group.command("bench")
+@click.option("--config", "config_path", type=click.Path(dir_okay=False), help="TOML config file.")
+@click.option(
+    "--set",
+    "overrides",
+    multiple=True,
+    metavar="KEY=VALUE",
+    help="Override a config key, e.g. --set model.depth=24 or --set localtrain.serial_lag=2 (repeatable).",
+)
+@click.option("--data", type=str, help="Text file, folder of text files, or enwik8 (default: Python stdlib source).")
+@click.option(
+    "--method",
+    "methods",
+    multiple=True,
+    type=click.Choice(METHODS),
+    help="Method to compare with global backprop (repeatable; default: rgc-async and broadcast-async).",
+)
+@click.option("--stages", type=int, help="Stages the blocks are cut into (localtrain.stages).")
+@click.option("--threads", type=int, help="Total torch threads for every method (localtrain.threads; 0 = all cores).")
+@click.option("--ring-depth", type=int, help="Slots per ring, which also bounds readout staleness.")
+@click.option("--pin/--no-pin", default=None, help="Pin stage processes to cores (localtrain.pin_cores).")
+@click.option("--seeds", type=int, default=3, show_default=True, help="Paired seeds 0..N-1 per method.")
+@click.option("--steps", type=int, default=60, show_default=True, help="Optimizer steps per run (train.max_steps).")
+@click.option("--timing-skip", type=int, help="Steps left out of the tokens/s window (default: pipeline fill + 2).")
+@click.option("--margin", type=float, default=1.0, show_default=True, help="Non-inferiority margin in percent.")
+@click.option("--out", type=click.Path(dir_okay=False), help="Also write every run and the summary as JSON here.")
+def bench(
+    config_path: str | None,
+    overrides: tuple[str, ...],
+    data: str | None,
+    methods: tuple[str, ...],
+    stages: int | None,
+    threads: int | None,
+    ring_depth: int | None,
+    pin: bool | None,
+    seeds: int,
+    steps: int,
+    timing_skip: int | None,
+    margin: float,
+    out: str | None,
+) -> None:
+    """Compare local-training methods with global backprop: tokens/s, peak PSS, held-out bpb, quality gap.
+
+    Every run is a fresh process tree with the same model, data, seed and total thread budget.
+    """
+    flags = {
+        "data.path": data,
+        "localtrain.stages": stages,
+        "localtrain.threads": threads,
+        "localtrain.ring_depth": ring_depth,
+        "localtrain.pin_cores": pin,
+    }
+    config, lt = load_localtrain_config(config_path, overrides, flags)
+    if steps < 2 or seeds < 1:
+        raise click.BadParameter("--steps must be >= 2 and --seeds >= 1")
+    skip = default_timing_skip(lt, steps) if timing_skip is None else timing_skip
+    if not 1 <= skip < steps:
+        raise click.BadParameter(f"--timing-skip must lie between 1 and --steps - 1 ({steps - 1})")
+    config.train.max_steps = steps
+    spec = BenchSpec(
+        config=config,
+        lt=lt,
+        methods=methods or ("rgc-async", "broadcast-async"),
+        seeds=tuple(range(seeds)),
+        steps=steps,
+        timing_skip=skip,
+    )
+    console = Console(highlight=False, soft_wrap=True, width=None if sys.stdout.isatty() else 140)
+    m = config.model
+    console.print(
+        f"localtrain bench: depth {m.depth}, width {m.width}, context {m.context}, batch {config.train.batch_size}, "
+        f"{steps} steps (tokens/s after step {skip}), seeds {list(spec.seeds)}, {lt.stages} stages, "
+        f"threads {lt.threads or 'all'}, ring depth {lt.ring_depth}"
+    )
+    report = run_bench(spec, on_result=lambda r: console.print(run_line(r), markup=False))
+    print_report(report, console, margin)
+    if out:
+        Path(out).write_text(json.dumps(report.to_json(), indent=2, default=json_default) + "\n")
+        console.print(f"wrote {out}")
+
+
+def json_default(value: object) -> object:
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    return str(value)
+
+
+def run_line(r: RunResult) -> str:
+    if r.error:
+        return f"  {r.method:<16} seed {r.seed}: FAILED {r.error}"
+    leaked = f", LEAKED {r.leaked_segments}" if r.leaked_segments else ""
+    return (
+        f"  {r.method:<16} seed {r.seed}: {r.tokens_per_s:8.0f} tok/s, peak PSS {r.peak_pss_mib:6.0f} MiB "
+        f"({r.processes} proc), bpb {r.bpb:.4f}, start-up {r.startup_s:.1f} s, background load "
+        f"{r.other_cores:.2f} cores{leaked}"
+    )
+
+
+def print_report(report: BenchReport, console: Console, margin: float = 1.0) -> None:
+    table = Table(title="localtrain vs global backprop (same model, data, seeds, threads)")
+    columns = ("method", "runs", "tokens/s", "x BP", "x BP (median step)", "peak PSS MiB", "PSS x BP", "bpb")
+    for column in (*columns, "gap %", "95% UB %", "bg load"):
+        table.add_column(column, justify="left" if column == "method" else "right")
+    for s in report.summaries:
+        gap = s.gap
+        ub = "" if gap is None else ("n/a (1 seed)" if math.isinf(gap.upper95_pct) else f"{gap.upper95_pct:+.3f}")
+        verdict = "" if gap is None or math.isinf(gap.upper95_pct) else (" pass" if gap.passes(margin) else " FAIL")
+        table.add_row(
+            s.method,
+            str(s.runs),
+            f"{s.tokens_per_s:.0f}",
+            f"{s.throughput_ratio:.3f}",
+            f"{s.throughput_ratio_median:.3f}",
+            f"{s.peak_pss_mib:.0f}",
+            f"{s.pss_ratio:.3f}",
+            f"{s.bpb_mean:.4f}",
+            "" if gap is None else f"{gap.mean_pct:+.3f}",
+            ub + verdict,
+            f"{s.other_cores:.2f}",
+        )
+    console.print(table)
+    rows = [(s.method, b) for s in report.summaries for b in s.breakdown]
+    if rows:
+        detail = Table(title="stage time shares (of each stage's wall time; mean over seeds)")
+        for column in ("method", "stage", "busy", "wait in", "wait out", "wait readout", "comm", "lag mean/max"):
+            detail.add_column(column, justify="left" if column == "method" else "right")
+        for method, b in rows:
+            detail.add_row(
+                method,
+                str(b["stage"]),
+                f"{b['busy']:.1%}",
+                f"{b['wait_input']:.1%}",
+                f"{b['wait_output']:.1%}",
+                f"{b['wait_readout']:.1%}",
+                f"{b['comm']:.1%}",
+                f"{b['lag_mean']:.2f}/{b['lag_max']:.0f}",
+            )
+        console.print(detail)
+    for s in report.summaries:
+        for i, r in enumerate(s.readout):
+            console.print(
+                f"{s.method}: upstream stage {i} readout gradient vs owner's: cosine mean {r['cos_mean']:+.3f}, "
+                f"min {r['cos_min']:+.3f}, negative {r['cos_negative_frac']:.1%}; version lag mean "
+                f"{r['lag_mean']:.2f}, max {r['lag_max']:.0f}"
+            )

@@ -1,0 +1,174 @@
+"""``LocalTrainer``: every method behind the shape of ``swarmtrain.train.Trainer``, so a node can drive it.
+
+``train_step()`` returns the last exit's training loss, ``step`` and ``tokens`` count as the ``Trainer``'s do,
+``model`` is the whole ``ByteTransformer`` with the stages' parameters gathered back into it, ``evaluate()``
+gives held-out bits per byte on the same windows as ``Trainer.evaluate``. A node running DiLoCo inner steps
+calls ``set_horizon(step + H)`` at the start of a round so the async pipeline drains at its end, reads
+``model`` (or ``state()``), and writes the averaged parameters back with ``load_model_state``. Always
+``close()`` it (or use it as a context manager): the async methods hold processes and shared memory.
+
+    with LocalTrainer(config, corpus, LocalTrainConfig(method="rgc-async", stages=2)) as trainer:
+        for _ in range(100):
+            trainer.train_step()
+        print(trainer.evaluate())
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Protocol
+
+import torch
+import torch.nn.functional as F
+
+from swarmtrain.config import Config
+from swarmtrain.data import Corpus, eval_starts, train_batch, windows
+from swarmtrain.localtrain.config import ASYNC_METHODS, LocalTrainConfig, check_config, total_threads
+from swarmtrain.localtrain.pipeline import PipelineEngine
+from swarmtrain.localtrain.serial import SerialEngine
+from swarmtrain.localtrain.stage import Stage, StageModule, local_loss, setup_threads
+from swarmtrain.model import VOCAB, ByteTransformer
+
+
+class Engine(Protocol):
+    step: int
+    tokens: int
+
+    def train_step(self) -> float: ...
+    def gathered_model(self) -> ByteTransformer: ...
+    def load_model_state(self, state: dict[str, torch.Tensor]) -> None: ...
+    def breakdown(self) -> dict[str, object]: ...
+    def close(self) -> None: ...
+
+
+class GlobalEngine:
+    """Global backprop: one stage that holds the whole model, trained on the last exit with all the threads.
+
+    The same arithmetic as ``swarmtrain.train.Trainer`` (tests compare the two), but with this package's AdamW,
+    so that the benchmark's reference pays the same per-process memory as every stage.
+    """
+
+    def __init__(self, config: Config, corpus: Corpus, lt: LocalTrainConfig) -> None:
+        setup_threads(total_threads(lt))
+        self.config, self.corpus = config, corpus
+        torch.manual_seed(config.train.seed)
+        self.full = ByteTransformer(config.model)
+        self.stage = Stage(StageModule(self.full, 0, config.model.depth, owner=True), config.train)
+        self.step = 0
+        self.tokens = 0
+
+    def train_step(self) -> float:
+        t, context = self.config.train, self.config.model.context
+        batch = train_batch(self.corpus.train, t.batch_size, context, t.seed, self.step)
+        module = self.stage.module
+        module.train()
+        loss = local_loss(module.exit_norm(module(batch[:, :-1])), module.readout.weight, batch[:, 1:])
+        loss.backward()
+        self.stage.apply()
+        self.step += 1
+        self.tokens += batch.shape[0] * context
+        return loss.item()
+
+    def gathered_model(self) -> ByteTransformer:
+        return self.full
+
+    def load_model_state(self, state: dict[str, torch.Tensor]) -> None:
+        self.full.load_state_dict(state, strict=False)
+
+    def breakdown(self) -> dict[str, object]:
+        return {}
+
+    def close(self) -> None:
+        return None
+
+
+@torch.no_grad()
+def evaluate_bpb(model: ByteTransformer, corpus: Corpus, config: Config) -> float:
+    """Held-out bits per byte of the last exit on the fixed validation windows (as ``Trainer.evaluate``)."""
+    t, context = config.train, config.model.context
+    starts = eval_starts(corpus.val, t.eval_batches * t.batch_size, context)
+    was_training = model.training
+    model.eval()
+    total = 0.0
+    for chunk in starts.reshape(t.eval_batches, t.batch_size):
+        batch = windows(corpus.val, chunk, context)
+        logits = model(batch[:, :-1])
+        total += F.cross_entropy(logits.reshape(-1, VOCAB), batch[:, 1:].reshape(-1), reduction="sum").item()
+    model.train(was_training)
+    return total / (len(starts) * context) / math.log(2)
+
+
+class LocalTrainer:
+    def __init__(
+        self,
+        config: Config,
+        corpus: Corpus,
+        lt: LocalTrainConfig | None = None,
+        prefix: str | None = None,
+        horizon: int | None = None,
+    ) -> None:
+        """``prefix`` names the shared-memory segments; ``horizon`` is the first drain point (train.max_steps)."""
+        lt = lt or LocalTrainConfig()
+        corpus.check_context(config.model.context)
+        check_config(config, lt)
+        self.config, self.corpus, self.lt = config, corpus, lt
+        self.engine: Engine
+        if lt.method == "global-bp":
+            self.engine = GlobalEngine(config, corpus, lt)
+        elif lt.method in ASYNC_METHODS:
+            self.engine = PipelineEngine(config, corpus, lt, prefix=prefix, horizon=horizon)
+        else:
+            setup_threads(total_threads(lt))
+            self.engine = SerialEngine(config, corpus, lt)
+
+    @property
+    def step(self) -> int:
+        return self.engine.step
+
+    @property
+    def tokens(self) -> int:
+        return self.engine.tokens
+
+    def train_step(self) -> float:
+        """One step of every stage; returns the last exit's training loss in nats per byte."""
+        return self.engine.train_step()
+
+    def set_horizon(self, steps: int) -> None:
+        """Let async stages run up to step ``steps``; the pipeline drains there (a no-op for other methods)."""
+        if isinstance(self.engine, PipelineEngine):
+            self.engine.set_horizon(steps)
+
+    @property
+    def model(self) -> ByteTransformer:
+        """The whole model with every stage's current parameters (async: needs a drained pipeline)."""
+        return self.engine.gathered_model()
+
+    def evaluate(self) -> float:
+        return evaluate_bpb(self.model, self.corpus, self.config)
+
+    def state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        """Model tensors (named as ``Trainer.state`` names them) and metadata; optimizer states stay in the stages."""
+        tensors = {f"model.{k}": v for k, v in self.model.state_dict().items()}
+        meta = {"step": self.step, "tokens": self.tokens, "method": self.lt.method, "config": self.config.model_dump()}
+        return tensors, meta
+
+    def load_model_state(self, state: dict[str, torch.Tensor]) -> None:
+        """Overwrite the model's parameters (e.g. after an outer step); optimizer states are kept."""
+        self.engine.load_model_state(state)
+
+    def breakdown(self) -> dict[str, object]:
+        """Per-stage busy, waiting and communication seconds, lag, and readout-gradient cosines."""
+        return self.engine.breakdown()
+
+    def close(self, abort: bool = False) -> None:
+        """Release the stages (async: stop or abort their processes, then unlink every shared segment)."""
+        if isinstance(self.engine, PipelineEngine):
+            self.engine.close(abort=abort)
+        else:
+            self.engine.close()
+
+    def __enter__(self) -> LocalTrainer:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
+        self.close(abort=exc_type is not None)

@@ -1,0 +1,114 @@
+"""The benchmark's arithmetic, report and command line (the real thing, with processes, is marked slow)."""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+from rich.console import Console
+
+from swarmtrain.cli import cli
+from swarmtrain.localtrain.bench import BenchReport, RunResult, summarise
+from swarmtrain.localtrain.cli import print_report
+from swarmtrain.localtrain.pss import PssSampler, process_tree, pss_kib
+from swarmtrain.localtrain.shm import PREFIX, leftover_segments
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def result(method: str, seed: int, tokens: float, pss: float, bpb: float) -> RunResult:
+    stages = [
+        {
+            "stage": i,
+            "busy_s": 9.0,
+            "wait_input_s": 0.5,
+            "wait_output_s": 0.5,
+            "wait_readout_s": 0.0,
+            "comm_s": 0.1,
+            "wall_s": 10.0,
+            "lag_mean": 1.0,
+            "lag_max": 2.0,
+        }
+        for i in range(2)
+    ]
+    breakdown = {
+        "stages": stages,
+        "readout": [{"cos_mean": 0.9, "cos_min": 0.5, "cos_negative_frac": 0.0, "lag_mean": 1.0, "lag_max": 2}],
+    }
+    return RunResult(method, seed, tokens_per_s=tokens, peak_pss_mib=pss, bpb=bpb, breakdown=breakdown)
+
+
+def test_summary_pairs_seeds_with_global_backprop() -> None:
+    results = [
+        result("global-bp", 0, 1000, 500, 2.00),
+        result("rgc-async", 0, 1200, 650, 2.01),
+        result("global-bp", 1, 800, 520, 2.10),
+        result("rgc-async", 1, 880, 676, 2.10),
+        RunResult("rgc-async", 2, error="boom"),  # failed runs are left out, not averaged in
+    ]
+    bp, rgc = summarise(results, ("global-bp", "rgc-async"))
+    assert bp.throughput_ratio == pytest.approx(1.0) and bp.gap is None
+    assert rgc.runs == 2
+    assert rgc.throughput_ratio == pytest.approx(math.sqrt(1.2 * 1.1))
+    assert rgc.pss_ratio == pytest.approx(1.3)
+    assert rgc.gap is not None and rgc.gap.mean_pct == pytest.approx(0.25)
+    assert rgc.breakdown[0]["busy"] == pytest.approx(0.9)
+    out = io.StringIO()
+    print_report(BenchReport({}, results, [bp, rgc]), Console(file=out, width=160))
+    text = out.getvalue()
+    assert "rgc-async" in text and "1.149" in text and "cosine mean +0.900" in text
+    json.dumps(BenchReport({}, results, [bp, rgc]).to_json(), default=str)
+
+
+def test_pss_sampler_sees_the_whole_tree() -> None:
+    child = subprocess.Popen([sys.executable, "-c", "import time; x = bytearray(30_000_000); time.sleep(30)"])
+    try:
+        deadline = time.monotonic() + 10
+        while pss_kib(child.pid) < 25_000 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert child.pid in process_tree(os.getpid())
+        with PssSampler(os.getpid(), interval=0.05) as sampler:
+            time.sleep(0.2)
+        assert sampler.peak_mib > 30 and sampler.peak_processes >= 2 and sampler.samples >= 2
+        assert sampler.other_cores >= 0.0
+    finally:
+        child.kill()
+        child.wait(timeout=10)
+
+
+def test_bench_command_rejects_bad_settings_with_a_clear_message() -> None:
+    runner = CliRunner()
+    help_text = runner.invoke(cli, ["localtrain", "bench", "--help"])
+    assert help_text.exit_code == 0 and "--stages" in help_text.output
+    bad = runner.invoke(cli, ["localtrain", "bench", "--steps", "5", "--timing-skip", "9"])
+    assert bad.exit_code != 0 and "--timing-skip" in bad.output
+    unknown = runner.invoke(cli, ["localtrain", "bench", "--set", "localtrain.ring_dept=3"])
+    assert unknown.exit_code != 0 and "localtrain.ring_depth" in str(unknown.exception)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_bench_runs_end_to_end(tmp_path: Path, text_file: Path) -> None:
+    out = tmp_path / "bench.json"
+    before = set(leftover_segments(PREFIX))
+    args = ["localtrain", "bench", "--data", str(text_file), "--seeds", "1", "--steps", "8", "--threads", "2"]
+    args += ["--method", "rgc-async", "--method", "live-local", "--out", str(out)]
+    for key, value in {"model.depth": 2, "model.width": 32, "model.heads": 2, "model.context": 32}.items():
+        args += ["--set", f"{key}={value}"]
+    args += ["--set", "train.batch_size=4", "--set", "train.eval_batches=1", "--set", "train.warmup_steps=2"]
+    args += ["--set", f"data.cache_dir={tmp_path / 'cache'}"]
+    outcome = CliRunner().invoke(cli, args)
+    assert outcome.exit_code == 0, outcome.output
+    report = json.loads(out.read_text())
+    assert [r["method"] for r in report["results"]] == ["global-bp", "rgc-async", "live-local"]
+    assert all(r["error"] is None and r["tokens_per_s"] > 0 and r["peak_pss_mib"] > 0 for r in report["results"])
+    assert all(math.isfinite(r["bpb"]) and not r["leaked_segments"] for r in report["results"])
+    assert set(leftover_segments(PREFIX)) <= before
