@@ -46,6 +46,9 @@ def _barrier(workdir: Path, idx: int) -> None:
     _wait_for(workdir / "go", timeout=600)
 
 
+PART_NUMEL = 1 << 18
+
+
 def ours_worker(idx: int, peers: int, numel: int, codec: str, rounds: int, workdir: str) -> None:
     import uvloop
     from hivemind.p2p import P2P
@@ -64,7 +67,7 @@ def ours_worker(idx: int, peers: int, numel: int, codec: str, rounds: int, workd
         transport = P2PTransport(p2p)
         averager = Averager(
             transport, torch.zeros(numel), run_id="bench", group_size=peers, outer_lr=1.0, outer_momentum=0.0,
-            codec_up=get_codec(codec), codec_down=get_codec(codec), part_numel=1 << 20, min_deadline=60.0,
+            codec_up=get_codec(codec), codec_down=get_codec(codec), part_numel=PART_NUMEL, min_deadline=60.0,
             deadline_factor=10.0,
         )  # fmt: skip
         await averager.start()
@@ -79,7 +82,7 @@ def ours_worker(idx: int, peers: int, numel: int, codec: str, rounds: int, workd
                 _barrier(work, idx)
             start = time.time()
             outcome = await averager.run_round(delta, 1.0, members, set(members), gather_timeout=60.0)
-            times.append((start, time.time(), outcome.outcome, outcome.group.size))
+            times.append((start, time.time(), outcome.outcome, outcome.group.size, outcome.phases))
         (work / f"result{idx}.json").write_text(json.dumps(times[1:]))
         await asyncio_sleep(1.0)  # let the others finish reading our last results
         await p2p.shutdown()
@@ -98,6 +101,7 @@ def hivemind_worker(idx: int, peers: int, numel: int, codec: str, rounds: int, w
     from hivemind.compression import Float16Compression, NoCompression
     from hivemind.dht import DHT
 
+    mp.set_start_method("fork", force=True)  # hivemind's DHT and averager are fork-started mp.Process children
     torch.set_num_threads(1)
     work = Path(workdir)
     join = [] if idx == 0 else [(work / "maddr0").read_text()]
@@ -122,7 +126,7 @@ def hivemind_worker(idx: int, peers: int, numel: int, codec: str, rounds: int, w
     dht.shutdown()
 
 
-def run_case(system: str, peers: int, numel: int, codec: str, rounds: int) -> dict[str, float]:
+def run_case(system: str, peers: int, numel: int, codec: str, rounds: int, verbose: bool = False) -> dict[str, float]:
     worker = ours_worker if system == "swarmtrain" else hivemind_worker
     ctx = mp.get_context("spawn")
     with TemporaryDirectory() as tmp:
@@ -150,6 +154,9 @@ def run_case(system: str, peers: int, numel: int, codec: str, rounds: int) -> di
         results = [json.loads((work / f"result{i}.json").read_text()) for i in range(peers)]
     walls = [max(r[k][1] for r in results) - max(r[k][0] for r in results) for k in range(rounds)]
     ok = all(r[k][2] == "applied" and r[k][3] == peers for r in results for k in range(rounds))
+    if system == "swarmtrain" and verbose:
+        for k in range(rounds):
+            print(f"  round {k}: " + "; ".join(str(r[k][4]) for r in results), flush=True)
     return {"wall_s": statistics.median(walls), "bytes_per_peer": (after - before) / (peers * rounds), "ok": ok}
 
 
@@ -159,15 +166,23 @@ def main() -> None:
     parser.add_argument("--numel", type=int, default=10_000_000)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--codecs", default="fp32,fp16")
+    parser.add_argument("--systems", default="swarmtrain,hivemind")
+    parser.add_argument("--verbose", action="store_true", help="print where each of our rounds spent its time")
     args = parser.parse_args()
     print(f"{args.peers} peers x {args.numel:,} fp32 elements, {args.rounds} timed rounds each (after one warm-up)")
     print(f"{'codec':6} {'system':10} {'wall s':>8} {'MB sent/peer':>13} {'ideal MB':>9} {'ok':>4} {'ours/hm':>8}")
     for codec in args.codecs.split(","):
         payload = args.numel * (2 if codec == "fp16" else 4)
         ideal = 2 * (args.peers - 1) / args.peers * payload
-        cases = {s: run_case(s, args.peers, args.numel, codec, args.rounds) for s in ("swarmtrain", "hivemind")}
+        cases = {
+            s: run_case(s, args.peers, args.numel, codec, args.rounds, args.verbose) for s in args.systems.split(",")
+        }
         for system, c in cases.items():
-            ratio = cases["swarmtrain"]["wall_s"] / c["wall_s"] if system == "hivemind" else float("nan")
+            ratio = (
+                cases["swarmtrain"]["wall_s"] / c["wall_s"]
+                if system == "hivemind" and "swarmtrain" in cases
+                else float("nan")
+            )
             print(
                 f"{codec:6} {system:10} {c['wall_s']:8.3f} {c['bytes_per_peer'] / 1e6:13.1f} {ideal / 1e6:9.1f} "
                 f"{'yes' if c['ok'] else 'NO':>4} {'' if ratio != ratio else f'{ratio:.2f}x':>8}",

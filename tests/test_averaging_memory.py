@@ -63,7 +63,7 @@ async def test_a_reducer_killed_after_its_first_part_is_dropped_the_same_way_by_
     sent = {"peer3": 0}
 
     def fail_at(src: str, dst: str, method: str, header: dict) -> None:
-        if src == "peer3" and method == "part" and dst != "peer3":
+        if src == "peer3" and method == "parts#frame":
             sent["peer3"] += 1
             if sent["peer3"] == 2:
                 net.kill("peer3")

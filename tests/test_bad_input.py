@@ -44,6 +44,11 @@ def make_averager(p2p: P2P, codec: str = "fp16") -> Averager:
     )  # fmt: skip
 
 
+async def stream(frames: list[bytes]):
+    for frame in frames:
+        yield frame
+
+
 async def pong(sender: str, header: dict, body: bytes) -> tuple[dict, bytes]:
     return {"round": 0}, b""
 
@@ -64,7 +69,7 @@ def _payloads(length: int) -> list[tuple[dict, bytes, str]]:
         ({}, good[:-3], "bad part payload"),  # truncated
         ({}, fp16.encode(torch.ones(length + 1)), "bad part payload"),  # wrong shape
         ({}, bytes(nan), "bad part payload"),  # non-finite
-        ({"part": 5}, good, "bad part index"),
+        ({"extra_frame": True}, good, "bad part index"),  # more frames than the shard has parts
         ({"shard": 9}, good, "sent to the reducer of shard"),
     ]
 
@@ -74,17 +79,20 @@ async def test_malformed_parts_are_refused_and_the_round_finishes_without_the_se
     victim = make_averager(a)
     await victim.start()
     attacker = P2PTransport(b)
-    for method in ("ping", "part", "result", "report", "digest"):  # alive and listening, but sends garbage
+    for method in ("ping", "parts", "results", "report", "digest"):  # alive and listening, but sends garbage
         await attacker.serve(method, pong, max_body=1 << 20)
     me, evil = victim.me, attacker.peer_id
     loop = asyncio.get_running_loop()
     for round_, (changes, body, reason) in enumerate(_payloads(NUMEL // 2)):
         group = Group(round_, tuple(sorted([me, evil])), (1.0, 1.0))
         allreduce = victim._allreduce(group, torch.ones(NUMEL), loop.time() + 8.0)
-        header = {**HEADER, "group": allreduce.route, "shard": group.index(me), "part": 0, "codec": "fp16"}
+        header = {**HEADER, "group": allreduce.route, "shard": group.index(me), "codec": "fp16"}
         run = asyncio.create_task(allreduce.run())
+        frames = [body, body] if changes.pop("extra_frame", False) else [body]
         with pytest.raises(RemoteError, match=reason):
-            await attacker.call(me, "part", {**header, **changes}, body, timeout=10)
+            await attacker.call_stream(
+                me, "parts", {**header, **changes}, stream(frames), count=len(frames), timeout=10
+            )
         if "run id" in reason or "protocol" in reason:
             run.cancel()  # refused before the round saw it: nothing to exclude
             continue
@@ -97,11 +105,13 @@ async def test_malformed_parts_are_refused_and_the_round_finishes_without_the_se
 
     group = Group(99, tuple(sorted([me, evil])), (1.0, 1.0))
     allreduce = victim._allreduce(group, torch.ones(NUMEL), loop.time() + 8.0)
-    header = {**HEADER, "group": allreduce.route, "shard": group.index(me), "part": 0, "codec": "fp16"}
+    header = {**HEADER, "group": allreduce.route, "shard": group.index(me), "codec": "fp16"}
     with pytest.raises(PeerUnreachable):  # over the size limit: the stream is reset after 8 bytes
-        await attacker.call(me, "part", header, b"\0" * (victim.max_body + 1), timeout=10)
+        await attacker.call_stream(me, "parts", header, stream([b"\0" * (victim.max_body + 1)]), count=1, timeout=10)
+    with pytest.raises(PeerUnreachable):  # announces 10^9 frames: refused at the header
+        await attacker.call_stream(me, "parts", header, stream([]), count=10**9, timeout=10)
     with pytest.raises(RemoteError, match="no group"):
-        await attacker.call(me, "part", {**header, "group": "feedfacefeedface"}, b"", timeout=10)
+        await attacker.call(me, "report", {**header, "group": "feedfacefeedface"}, b"", timeout=10)
     answer, _ = await attacker.call(me, "ping", HEADER, timeout=5)  # the victim still serves
     assert answer["round"] == 0
 

@@ -23,7 +23,7 @@ import asyncio
 import hashlib
 import logging
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,6 +36,9 @@ from swarmtrain.net import PeerUnreachable, Rejected, RemoteError, RpcError, Rpc
 log = logging.getLogger(__name__)
 
 PING_INTERVAL = 0.5
+# A pseudo-gradient coordinate beyond this is not an update but an attack or a blow-up: reject it, so one
+# peer cannot push every replica's theta_g to inf through the outer optimizer.
+MAX_ABS_VALUE = 1e4
 PING_TIMEOUT = 1.5
 
 
@@ -110,6 +113,7 @@ class _Inbox:
     buffer: torch.Tensor
     parts: set[int] = field(default_factory=set)
     complete: asyncio.Event = field(default_factory=asyncio.Event)
+    arrived: asyncio.Event = field(default_factory=asyncio.Event)
 
 
 @dataclass
@@ -117,6 +121,7 @@ class AllReduceResult:
     average: torch.Tensor
     applied: list[bool]
     excluded: list[str]
+    phases: dict[str, float] = field(default_factory=dict)  # seconds spent in transfer and report
 
     @property
     def complete(self) -> bool:
@@ -157,7 +162,7 @@ class AllReduce:
         start, end = self.bounds[self.index]
         self.inbox = {p: _Inbox(torch.zeros(end - start)) for p in group.members}
         self.bad_senders: set[str] = set()
-        self.reduced = False
+        self.reduced_parts: set[int] = set()
         self.results = [_Inbox(torch.zeros(e - s)) for s, e in self.bounds]
         self.reports: dict[str, list[str | None]] = {}
         self.reports_in = {p: asyncio.Event() for p in group.members}
@@ -183,6 +188,8 @@ class AllReduce:
             raise Rejected(f"bad {what} payload: {exc}") from None
         if values.numel() != numel or not torch.isfinite(values).all():
             raise Rejected(f"bad {what} payload: wrong size or non-finite values")
+        if numel and values.abs().max() > MAX_ABS_VALUE:
+            raise Rejected(f"bad {what} payload: values beyond +-{MAX_ABS_VALUE:g}")
         return values
 
     def _store(self, box: _Inbox, header: dict[str, Any], body: bytes, codec: Codec, what: str) -> None:
@@ -195,6 +202,7 @@ class AllReduce:
         start, end = parts[part]
         box.buffer[start:end] = self._decode(codec, body, end - start, what)
         box.parts.add(part)
+        box.arrived.set()
         if len(box.parts) == len(parts):
             box.complete.set()
 
@@ -203,7 +211,8 @@ class AllReduce:
     def on_part(self, sender: str, header: dict[str, Any], body: bytes) -> None:
         self._check_member(sender)
         box = self.inbox[sender]
-        if self.reduced or sender in self.bad_senders or header.get("part") in box.parts:
+        part = header.get("part")
+        if sender in self.bad_senders or part in box.parts or part in self.reduced_parts:
             raise Rejected("late, duplicate or already excluded contribution")
         try:
             if header.get("shard") != self.index:
@@ -222,11 +231,27 @@ class AllReduce:
             raise Rejected("this round already excluded you for a bad payload")
         if header.get("shard") != j:
             raise Rejected(f"{sender[-8:]} reduces shard {j}, not {header.get('shard')!r}")
+        if header.get("part") in self.results[j].parts:
+            raise Rejected("duplicate result part")
         try:
             self._store(self.results[j], header, body, self.codec_down, "result")
         except Rejected as exc:
             self.liveness.mark_dead(sender, f"sent a bad result ({exc})")
             raise
+
+    async def on_parts(self, sender: str, header: dict[str, Any], frames: AsyncIterator[bytes]) -> None:
+        """A member streams its contribution to my shard: frame p is part p."""
+        part = 0
+        async for body in frames:
+            self.on_part(sender, {**header, "part": part}, body)
+            part += 1
+
+    async def on_results(self, sender: str, header: dict[str, Any], frames: AsyncIterator[bytes]) -> None:
+        """A reducer streams its averaged shard: frame p is part p."""
+        part = 0
+        async for body in frames:
+            self.on_result(sender, {**header, "part": part}, body)
+            part += 1
 
     def on_report(self, sender: str, header: dict[str, Any]) -> None:
         self._check_member(sender)
@@ -248,65 +273,112 @@ class AllReduce:
 
     # ---- the protocol -------------------------------------------------------------------------------------
 
-    async def _send(self, peer: str, method: str, header: dict[str, Any], body: bytes, deadline: float) -> bool:
-        """Send one message; on a dead peer mark it and return False. Local delivery for messages to self."""
-        if peer == self.me:
-            try:
-                (self.on_part if method == "part" else self.on_result)(self.me, header, body)
-            except Rejected as exc:
-                log.error("own %s rejected: %s", method, exc)
-                return False
-            return True
+    async def _stream(
+        self, peer: str, method: str, header: dict[str, Any], frames: AsyncIterator[bytes], count: int, deadline: float
+    ) -> bool:
+        """Stream ``count`` frames to ``peer`` on one stream; on a dead peer mark it and return False."""
         timeout = deadline - asyncio.get_running_loop().time()
         try:
-            await self.transport.call(peer, method, header, body, timeout=max(timeout, 0.01))
+            await self.transport.call_stream(peer, method, header, frames, count=count, timeout=max(timeout, 0.01))
             return True
         except (PeerUnreachable, RpcTimeout) as exc:
             self.liveness.mark_dead(peer, str(exc))
         except RemoteError as exc:
-            log.warning("%s", exc)
+            self._refused(peer, exc)
         return False
+
+    def _deliver_locally(self, method: str, header: dict[str, Any], part: int, body: bytes) -> None:
+        try:
+            (self.on_part if method == "parts" else self.on_result)(self.me, {**header, "part": part}, body)
+        except Rejected as exc:
+            log.error("own %s rejected: %s", method, exc)
 
     async def _scatter_to(self, j: int) -> None:
         if self.group.weights[self.index] == 0:
             return  # an observer (weight 0) receives the average but contributes nothing
         start, end = self.bounds[j]
         shard = self.delta[start:end]
-        for p, (s, e) in enumerate(self._parts(end - start)):
-            header = {**self.header, "shard": j, "part": p, "codec": self.codec_up.name}
-            body = self.codec_up.encode(shard[s:e])
-            if not await self._send(self.group.members[j], "part", header, body, self.scatter_deadline):
-                return
-            if j != self.index:
-                self.parts_sent += 1
-                if self.on_part_sent is not None:
-                    self.on_part_sent(self.parts_sent)
+        parts = self._parts(end - start)
+        header = {**self.header, "shard": j, "codec": self.codec_up.name}
+        if j == self.index:
+            for p, (s, e) in enumerate(parts):
+                self._deliver_locally("parts", header, p, self.codec_up.encode(shard[s:e]))
+            return
+
+        async def frames() -> AsyncIterator[bytes]:
+            for p, (s, e) in enumerate(parts):
+                if p:
+                    self._part_sent()  # the transport asks for frame p once frame p - 1 is written and drained
+                yield self.codec_up.encode(shard[s:e])
+            self._part_sent()
+
+        await self._stream(self.group.members[j], "parts", header, frames(), len(parts), self.scatter_deadline)
+
+    def _part_sent(self) -> None:
+        self.parts_sent += 1
+        if self.on_part_sent is not None:
+            self.on_part_sent(self.parts_sent)
 
     async def _reduce_and_broadcast(self) -> None:
-        contributors = [p for p, w in zip(self.group.members, self.group.weights, strict=True) if w > 0]
-        for peer in contributors:
-            await wait_or_dead(self.inbox[peer].complete, self.liveness.watch(peer), self.scatter_deadline)
-        self.reduced = True
-        included = [
-            i for i, p in enumerate(self.group.members) if p in contributors and self.inbox[p].complete.is_set()
-        ]
+        """Reduce my shard part by part, streaming each averaged part as soon as its contributions are in.
+
+        Part p averages the senders whose part p arrived (weighted by tokens); a sender that dies or misbehaves
+        mid-shard is left out of the parts not yet reduced. Whatever the mix, every member receives the same
+        bytes for part p, so replicas stay identical.
+        """
+        members, weights = self.group.members, self.group.weights
+        contributors = [p for p, w in zip(members, weights, strict=True) if w > 0]
         start, end = self.bounds[self.index]
-        average = torch.zeros(end - start)
-        total = sum(self.group.weights[i] for i in included)
-        for i in included:
-            average.add_(self.inbox[self.group.members[i]].buffer, alpha=self.group.weights[i] / total)
-        sends = []
-        for p, (s, e) in enumerate(self._parts(end - start)):
-            body = self.codec_down.encode(average[s:e])
-            header = {**self.header, "shard": self.index, "part": p, "codec": self.codec_down.name}
-            header["included"] = [self.group.members[i] for i in included]
-            sends += [self._send(peer, "result", header, body, self.transfer_deadline) for peer in self.group.members]
-        await asyncio.gather(*sends)
+        parts = self._parts(end - start)
+        ready: list[bytes | None] = [None] * len(parts)
+        produced = [asyncio.Event() for _ in parts]
+        header = {**self.header, "shard": self.index, "codec": self.codec_down.name}
+
+        async def frames() -> AsyncIterator[bytes]:
+            for p in range(len(parts)):
+                await produced[p].wait()
+                body = ready[p]
+                if body is None:
+                    return  # the reduction failed: end the stream short, the member treats the shard as missing
+                yield body
+
+        others = [m for m in members if m != self.me]
+        streams = [
+            asyncio.ensure_future(self._stream(m, "results", header, frames(), len(parts), self.transfer_deadline))
+            for m in others
+        ]
+        try:
+            for p, (s, e) in enumerate(parts):
+                for peer in contributors:
+                    box = self.inbox[peer]
+                    while p not in box.parts and peer not in self.liveness.dead:
+                        box.arrived.clear()
+                        if not await wait_or_dead(box.arrived, self.liveness.watch(peer), self.scatter_deadline):
+                            break
+                self.reduced_parts.add(p)
+                included = [i for i, peer in enumerate(members) if peer in contributors and self._usable(peer, p)]
+                total = sum(weights[i] for i in included)
+                average = torch.zeros(e - s)
+                for i in included:
+                    average.add_(self.inbox[members[i]].buffer[s:e], alpha=weights[i] / total)
+                ready[p] = self.codec_down.encode(average)
+                produced[p].set()
+                self._deliver_locally("results", header, p, ready[p])
+        finally:
+            for event in produced:
+                event.set()
+            await asyncio.gather(*streams)
+
+    def _usable(self, peer: str, part: int) -> bool:
+        return part in self.inbox[peer].parts and peer not in self.bad_senders
 
     async def run(self) -> AllReduceResult:
+        loop = asyncio.get_running_loop()
+        started = loop.time()
         try:
             scatter = [self._scatter_to(j) for j in range(self.group.size)]
             await asyncio.gather(*scatter, self._reduce_and_broadcast(), self._gather())
+            transferred = loop.time()
             hashes = [tensor_hash(r.buffer) if r.complete.is_set() else None for r in self.results]
             await self._exchange("report", {"hashes": hashes}, self.reports_in, self.report_deadline)
             self.reports[self.me] = hashes
@@ -318,7 +390,8 @@ class AllReduce:
                 [r.buffer if ok else torch.zeros_like(r.buffer) for r, ok in zip(self.results, applied, strict=True)]
             )
             excluded = sorted(self.liveness.dead | self.bad_senders)
-            return AllReduceResult(average, applied, excluded)
+            phases = {"transfer_s": transferred - started, "report_s": loop.time() - transferred}
+            return AllReduceResult(average, applied, excluded, phases)
         finally:
             self.liveness.close()
 
@@ -342,7 +415,12 @@ class AllReduce:
         except (PeerUnreachable, RpcTimeout) as exc:
             self.liveness.mark_dead(peer, str(exc))
         except RemoteError as exc:
-            log.warning("%s", exc)
+            self._refused(peer, exc)
+
+    def _refused(self, peer: str, exc: RemoteError) -> None:
+        log.warning("%s", exc)
+        if exc.code == "no-group":  # it never heard of this group (it gave up joining): do not wait for it
+            self.liveness.mark_dead(peer, "not in this group")
 
     async def exchange_digests(self, digest: str) -> str:
         """Send my state digest to the group and return the digest most members hold (ties: the smallest)."""

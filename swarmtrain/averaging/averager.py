@@ -12,8 +12,8 @@ import logging
 import os
 import signal
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -25,13 +25,14 @@ from swarmtrain.averaging.group import Group
 from swarmtrain.averaging.matchmaking import Matchmaker
 from swarmtrain.averaging.outer import OuterOptimizer, state_digest
 from swarmtrain.compression import Codec, get_codec
-from swarmtrain.net import PeerUnreachable, Rejected, RemoteError, RpcTimeout, Transport
+from swarmtrain.net import Handler, PeerUnreachable, Rejected, RemoteError, RpcTimeout, StreamHandler, Transport
 
 log = logging.getLogger(__name__)
 
 PROTOCOL_VERSION = 1
 _ROUTE_WAIT = 5.0  # a member may hear of its group a moment after a peer that already sends
 _SMALL = 1 << 16
+_MAX_ROUTES = 64
 
 
 @dataclass
@@ -44,6 +45,7 @@ class RoundOutcome:
     excluded: list[str]
     duration_s: float
     spread: float | None = None  # gossip: relative distance of my theta_g to my group's average before mixing
+    phases: dict[str, float] = field(default_factory=dict)  # where the round's time went
 
 
 class Averager:
@@ -78,7 +80,9 @@ class Averager:
         self._routes: dict[str, asyncio.Future[AllReduce]] = {}
         self._durations: list[float] = []
         self.fail_at = tuple(int(kv.split("=")[1]) for kv in fail_at.split(",")) if fail_at else None
-        self.max_body = max(codec_up.payload_size(part_numel), codec_down.payload_size(part_numel)) + 1024
+        fp32 = get_codec("fp32")  # gossip rounds mix theta_g losslessly
+        self.max_body = max(c.payload_size(part_numel) for c in (codec_up, codec_down, fp32)) + 1024
+        self.max_frames = -(-theta.numel() * 2 // part_numel) + 1  # parts of the largest shard (mixing doubles it)
 
     @property
     def numel(self) -> int:
@@ -92,16 +96,12 @@ class Averager:
     # ---- service ------------------------------------------------------------------------------------------
 
     async def start(self) -> None:
-        routes: dict[str, Callable[..., Any]] = {
-            "part": lambda ar, s, h, b: ar.on_part(s, h, b),
-            "result": lambda ar, s, h, b: ar.on_result(s, h, b),
-            "report": lambda ar, s, h, b: ar.on_report(s, h),
-            "digest": lambda ar, s, h, b: ar.on_digest(s, h),
-        }
-        for method, action in routes.items():
-            await self.transport.serve(
-                method, self._routed(action), max_body=self.max_body if method in ("part", "result") else _SMALL
+        for method in ("parts", "results"):
+            await self.transport.serve_stream(
+                method, self._routed_stream(method), max_body=self.max_body, max_frames=self.max_frames
             )
+        await self.transport.serve("report", self._routed(lambda ar, s, h: ar.on_report(s, h)), max_body=_SMALL)
+        await self.transport.serve("digest", self._routed(lambda ar, s, h: ar.on_digest(s, h)), max_body=_SMALL)
         await self.transport.serve("join", self._on_join, max_body=_SMALL)
         await self.transport.serve("ping", self._on_ping, max_body=_SMALL)
         await self.transport.serve("state", self._on_state, max_body=_SMALL)
@@ -116,20 +116,38 @@ class Averager:
         if not isinstance(group_id, str) or len(group_id) > 32:
             raise Rejected("missing or malformed group id")
         if group_id not in self._routes:
-            if len(self._routes) > 64:
-                raise Rejected("too many unknown groups")
+            if len(self._routes) >= _MAX_ROUTES:  # evict the oldest unresolved route (a peer spraying ids)
+                stale = next((g for g, f in self._routes.items() if not f.done()), None)
+                if stale is None:
+                    raise Rejected("too many groups in flight")
+                del self._routes[stale]
             self._routes[group_id] = asyncio.get_running_loop().create_future()
         return self._routes[group_id]
 
-    def _routed(self, action: Callable[..., Any]) -> Callable[..., Any]:
+    async def _allreduce_for(self, header: dict[str, Any]) -> AllReduce:
+        self.check_header(header)
+        group_id = header.get("group")
+        route = self._route(group_id)
+        try:
+            return await asyncio.wait_for(asyncio.shield(route), _ROUTE_WAIT)
+        except TimeoutError:
+            if not route.done() and self._routes.get(group_id) is route:
+                del self._routes[group_id]
+            raise Rejected(f"no group {group_id} here", code="no-group") from None
+
+    def _routed(self, action: Callable[[AllReduce, str, dict[str, Any]], None]) -> Handler:
         async def handler(sender: str, header: dict[str, Any], body: bytes) -> tuple[dict[str, Any], bytes]:
-            self.check_header(header)
-            route = self._route(header.get("group"))
-            try:
-                allreduce = await asyncio.wait_for(asyncio.shield(route), _ROUTE_WAIT)
-            except TimeoutError:
-                raise Rejected(f"no group {header.get('group')} here") from None
-            action(allreduce, sender, header, body)
+            action(await self._allreduce_for(header), sender, header)
+            return {}, b""
+
+        return handler
+
+    def _routed_stream(self, method: str) -> StreamHandler:
+        async def handler(
+            sender: str, header: dict[str, Any], frames: AsyncIterator[bytes]
+        ) -> tuple[dict[str, Any], bytes]:
+            allreduce = await self._allreduce_for(header)
+            await (allreduce.on_parts if method == "parts" else allreduce.on_results)(sender, header, frames)
             return {}, b""
 
         return handler
@@ -152,28 +170,44 @@ class Averager:
 
     # ---- state transfer -----------------------------------------------------------------------------------
 
-    async def fetch_state(self, peers: list[str], want_digest: str | None, timeout: float = 60.0) -> bool:
-        """Download theta_g and the outer state from the first peer that has ``want_digest`` (any if None)."""
+    async def fetch_state(
+        self, peers: list[str], want_digest: str | None, max_round: int | None = None, timeout: float = 60.0
+    ) -> bool:
+        """Download theta_g and the outer state from the first peer that has ``want_digest`` (any if None).
+
+        The state is checked against the digest the peer claims (and ``want_digest``), its tensors against our
+        own names, shapes and dtypes; a peer claiming a round beyond ``max_round`` is skipped, so one peer
+        cannot drag our round number forward.
+        """
         for peer in peers:
             if peer == self.me:
                 continue
             try:
                 answer, payload = await self.transport.call(peer, "state", self.header, timeout=timeout)
-                tensors = load_safetensors(payload)
+                round_ = answer.get("round")
+                if not isinstance(round_, int) or round_ < 0 or (max_round is not None and round_ > max_round):
+                    log.info("state from %s skipped: round %r", peer[-8:], round_)
+                    continue
                 if want_digest is not None and answer.get("digest") != want_digest:
                     continue
-                digest = state_digest(tensors["theta"], tensors["momentum"])
-                if digest != answer.get("digest"):
+                tensors = load_safetensors(payload)
+                expected = self.outer.state_tensors()
+                if set(tensors) != set(expected) or any(
+                    tensors[k].shape != v.shape or tensors[k].dtype != v.dtype for k, v in expected.items()
+                ):
+                    log.warning("state from %s has the wrong tensors", peer[-8:])
+                    continue
+                if state_digest(tensors["theta"], tensors["momentum"]) != answer.get("digest"):
                     log.warning("state from %s does not match its own digest", peer[-8:])
                     continue
                 self.outer.load_state_tensors(tensors)
                 self.needs_catch_up = False
-                round_ = answer.get("round")
-                if isinstance(round_, int) and round_ > self.round:
-                    self.round = round_
+                self.round = max(self.round, round_)
                 return True
-            except (PeerUnreachable, RpcTimeout, RemoteError, KeyError, ValueError) as exc:
+            except (PeerUnreachable, RpcTimeout, RemoteError) as exc:
                 log.info("state from %s failed: %s", peer[-8:], exc)
+            except Exception as exc:  # a malformed safetensors payload must not take the node down
+                log.warning("state from %s is malformed: %r", peer[-8:], exc)
         return False
 
     def _fault_hook(self, round_: int) -> Callable[[int], None] | None:
@@ -201,7 +235,7 @@ class Averager:
             log.error("round %d: the local update is not finite (training diverged); contributing nothing", round_)
             delta, weight = torch.zeros_like(delta), 0.0
         group = await self.matchmaker.form_group(
-            round_, weight, self.outer.digest(), candidates, expected, gather_timeout
+            round_, weight, self.outer.digest(), candidates, expected, gather_timeout, self.deadline_s()
         )
         if group.size == 1:
             self.round += 1
@@ -216,30 +250,40 @@ class Averager:
             self.outer.step(delta)
             return RoundOutcome(round_, group, "applied", self.outer.digest(), 1.0, [], time.perf_counter() - started)
         allreduce_started = time.perf_counter()
-        deadline = asyncio.get_running_loop().time() + self.deadline_s()
+        deadline_s = group.deadline_s or self.deadline_s()  # the leader's, so all members share one budget
+        deadline = asyncio.get_running_loop().time() + deadline_s
         spread = None
         if group.mixed:
             # Gossip: members come from different groups of the last round, so their theta_g differ. Average
             # theta_g and the momentum first (lossless fp32), then the update as usual.
             state = torch.cat([self.outer.theta, self.outer.buf])
             mixing = self._allreduce(group, state, deadline, codec=get_codec("fp32"), tag="/state")
-            mixed = await self._run(mixing)
+            try:
+                mixed = await self._run(mixing)
+            finally:
+                self._forget(mixing)
+            deadline = asyncio.get_running_loop().time() + deadline_s  # the update gets a full budget of its own
             numel = self.numel
             if mixed.complete:
                 spread = float((self.outer.theta - mixed.average[:numel]).norm() / mixed.average[:numel].norm())
                 self.outer.theta.copy_(mixed.average[:numel])
                 self.outer.buf.copy_(mixed.average[numel:])
         allreduce = self._allreduce(group, delta, deadline, fault=self._fault_hook(round_))
+        phases = {"group_s": allreduce_started - started}
         result = await self._run(allreduce)
+        phases.update(result.phases)
         self.outer.step(result.average)
         digest = self.outer.digest()
+        confirm_started = time.perf_counter()
         try:
             agreed = await allreduce.exchange_digests(digest)
         finally:
             self._forget(allreduce)
+        phases["confirm_s"] = time.perf_counter() - confirm_started
         self._durations.append(time.perf_counter() - allreduce_started)
         outcome = "applied" if result.complete else "fallback"
-        confirmed = any(peer != self.me for peer in allreduce.digests)
+        votes = sum(1 for d in allreduce.digests.values() if d == agreed)
+        confirmed = votes * 2 > group.size and any(p != self.me for p, d in allreduce.digests.items() if d == agreed)
         if digest != agreed or not confirmed:
             # In the minority, or nobody confirmed my digest (the group left me out): resync from the group.
             others = [p for p in group.members if p != self.me]
@@ -247,13 +291,15 @@ class Averager:
                 [p for p, d in allreduce.digests.items() if d == agreed and p != self.me] if confirmed else others
             )
             log.warning("round %d: my state digest is not the group's; resyncing", round_)
-            resynced = await self.fetch_state(holders, agreed if confirmed else None)
+            resynced = await self.fetch_state(holders, agreed if confirmed else None, max_round=round_ + 1)
             outcome = "diverged-resynced" if resynced else "diverged"
+            self.needs_catch_up = not resynced
             digest = self.outer.digest()
         self.round = max(self.round, round_ + 1)  # a resync may have moved us further
         applied = sum(result.applied) / group.size
+        phases = {k: round(v, 4) for k, v in phases.items()}
         return RoundOutcome(
-            round_, group, outcome, digest, applied, result.excluded, time.perf_counter() - started, spread
+            round_, group, outcome, digest, applied, result.excluded, time.perf_counter() - started, spread, phases
         )
 
     def _allreduce(

@@ -18,6 +18,7 @@ class Group:
     members: tuple[str, ...]
     weights: tuple[float, ...]
     mixed: bool = False  # members start from different theta_g (gossip): average the state too
+    deadline_s: float = 0.0  # the leader's all-reduce budget, shared by every member (0: each uses its own)
 
     @property
     def group_id(self) -> str:

@@ -20,7 +20,8 @@ from swarmtrain.net import PeerUnreachable, Rejected, RemoteError, RpcTimeout, T
 
 log = logging.getLogger(__name__)
 
-MAX_WEIGHT = 1e15
+MAX_WEIGHT = 1e12  # tokens in one round; a peer claiming more would dominate every average
+MAX_DEADLINE_S = 3600.0
 
 
 @dataclass
@@ -85,7 +86,8 @@ class Matchmaker:
             group = lobby.result.result()
             if sender not in group.members:
                 raise Rejected(f"the group of round {round_} is full")
-            return {"members": list(group.members), "weights": list(group.weights), "mixed": group.mixed}
+            answer = {"members": list(group.members), "weights": list(group.weights), "mixed": group.mixed}
+            return {**answer, "deadline_s": group.deadline_s}
         lobby.joined.pop(sender, None)
         if lobby.redirect is not None:
             return {"redirect": lobby.redirect}
@@ -99,6 +101,7 @@ class Matchmaker:
         candidates: list[str],
         expected: set[str],
         gather_timeout: float,
+        deadline_s: float = 0.0,
     ) -> Group:
         """Meet the others of my gossip group for ``round_``; a group of one if nobody can be reached."""
         lobby = self._lobby(round_)
@@ -109,7 +112,7 @@ class Matchmaker:
                 continue
             tried.add(candidate)
             if candidate == self.me:
-                return await self._lead(lobby, weight, digest, expected, gather_timeout)
+                return await self._lead(lobby, weight, digest, expected, gather_timeout, deadline_s)
             lobby.redirect = candidate
             lobby.redirected.set()
             lobby.redirected = asyncio.Event()
@@ -167,10 +170,13 @@ class Matchmaker:
                 raise Rejected("malformed group")
             if not all(isinstance(m, str) for m in members) or len(set(members)) != len(members):
                 raise Rejected("malformed member list")
-            mixed = answer.get("mixed", False)
+            mixed, deadline_s = answer.get("mixed", False), answer.get("deadline_s", 0.0)
             if not isinstance(mixed, bool):
                 raise Rejected("malformed mixed flag")
-            group = Group(round_, tuple(members), tuple(check_weight(w) for w in weights), mixed)
+            if not isinstance(deadline_s, int | float) or not 0.0 <= deadline_s <= MAX_DEADLINE_S:
+                raise Rejected(f"deadline {deadline_s!r} out of bounds")
+            weights_ = tuple(check_weight(w) for w in weights)
+            group = Group(round_, tuple(members), weights_, mixed, float(deadline_s))
         except Rejected as exc:
             log.warning("round %d: leader sent a bad group: %s", round_, exc)
             return None
@@ -189,7 +195,7 @@ class Matchmaker:
                     pass
 
     async def _lead(
-        self, lobby: Lobby, weight: float, digest: str, expected: set[str], gather_timeout: float
+        self, lobby: Lobby, weight: float, digest: str, expected: set[str], gather_timeout: float, deadline_s: float
     ) -> Group:
         lobby.redirect = None
         lobby.joined[self.me] = weight
@@ -214,7 +220,7 @@ class Matchmaker:
         if self.me not in members:
             members = sorted([*members[:-1], self.me])
         mixed = len({lobby.digests[m] for m in members}) > 1
-        group = Group(lobby.round, tuple(members), tuple(lobby.joined[m] for m in members), mixed)
+        group = Group(lobby.round, tuple(members), tuple(lobby.joined[m] for m in members), mixed, deadline_s)
         lobby.result.set_result(group)
         missing = expected - set(members)
         if missing:

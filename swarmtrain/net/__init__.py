@@ -4,18 +4,21 @@ from swarmtrain.net.memory import MemoryNetwork, MemoryTransport
 from swarmtrain.net.rpc import (
     BadMessage,
     ByteCounter,
+    Handler,
     P2PTransport,
     PeerUnreachable,
     Rejected,
     RemoteError,
     RpcError,
     RpcTimeout,
+    StreamHandler,
     Transport,
 )
 
 __all__ = [
     "BadMessage",
     "ByteCounter",
+    "Handler",
     "MemoryNetwork",
     "MemoryTransport",
     "P2PTransport",
@@ -24,5 +27,6 @@ __all__ = [
     "RemoteError",
     "RpcError",
     "RpcTimeout",
+    "StreamHandler",
     "Transport",
 ]

@@ -7,7 +7,7 @@ Faults are injected per peer: ``kill(peer)`` makes every call to or from it fail
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from swarmtrain.net.rpc import (
@@ -18,15 +18,18 @@ from swarmtrain.net.rpc import (
     PeerUnreachable,
     RemoteError,
     RpcTimeout,
+    StreamHandler,
     pack_header,
     run_handler,
+    single,
+    unary,
     unpack_header,
 )
 
 
 class MemoryNetwork:
     def __init__(self) -> None:
-        self.handlers: dict[str, dict[str, tuple[Handler, int]]] = {}
+        self.handlers: dict[str, dict[str, tuple[StreamHandler, int, int]]] = {}
         self.dead: set[str] = set()
         self.delay = 0.0
         self.before_call: Callable[[str, str, str, dict[str, Any]], None] | None = None
@@ -48,23 +51,53 @@ class MemoryTransport:
     async def call(
         self, peer: str, method: str, header: dict[str, Any], body: bytes = b"", *, timeout: float
     ) -> tuple[dict[str, Any], bytes]:
+        return await self.call_stream(peer, method, header, single(body), count=1, timeout=timeout)
+
+    async def call_stream(
+        self,
+        peer: str,
+        method: str,
+        header: dict[str, Any],
+        frames: AsyncIterator[bytes],
+        *,
+        count: int,
+        timeout: float,
+    ) -> tuple[dict[str, Any], bytes]:
         net = self.network
         if net.before_call is not None:
             net.before_call(self.peer_id, peer, method, header)
         if self.peer_id in net.dead or peer in net.dead or method not in net.handlers.get(peer, {}):
             raise PeerUnreachable(f"{method} to {peer}: unreachable")
-        handler, max_body = net.handlers[peer][method]
+        handler, max_body, max_frames = net.handlers[peer][method]
         packed = pack_header(header)
-        self.counter.sent += len(packed) + len(body) + 16
-        if len(body) > max_body:
-            raise PeerUnreachable(f"{method} to {peer}: body over the limit, stream reset")
+        self.counter.sent += len(packed) + 8
+        if count > max_frames:
+            raise PeerUnreachable(f"{method} to {peer}: too many frames, stream reset")
+
+        async def delivered() -> AsyncIterator[bytes]:
+            index = 0
+            async for frame in frames:
+                if net.before_call is not None:
+                    net.before_call(self.peer_id, peer, f"{method}#frame", {"frame": index})
+                if self.peer_id in net.dead or peer in net.dead:
+                    raise ConnectionError("connection lost mid-stream")
+                if len(frame) > max_body:
+                    raise ConnectionError("frame over the limit, stream reset")
+                self.counter.sent += len(frame) + 8
+                index += 1
+                yield frame
+
         try:
             async with asyncio.timeout(timeout):
                 if net.delay:
                     await asyncio.sleep(net.delay)
-                response, response_body = await run_handler(handler, method, self.peer_id, unpack_header(packed), body)
+                response, response_body = await run_handler(
+                    handler, method, self.peer_id, unpack_header(packed), delivered()
+                )
         except TimeoutError:
             raise RpcTimeout(f"{method} to {peer} timed out") from None
+        except (ConnectionError, PeerUnreachable) as exc:
+            raise PeerUnreachable(f"{method} to {peer}: {exc}") from None
         if self.peer_id in net.dead or peer in net.dead:
             raise PeerUnreachable(f"{method} to {peer}: connection lost")
         raw = pack_header(response)
@@ -72,8 +105,11 @@ class MemoryTransport:
             raise BadMessage("response header over the limit")
         self.counter.received += len(raw) + len(response_body) + 16
         if "error" in response:
-            raise RemoteError(f"{peer} rejected {method}: {response['error']}")
+            raise RemoteError(f"{peer} rejected {method}: {response['error']}", str(response.get("code")))
         return response, response_body
 
     async def serve(self, method: str, handler: Handler, *, max_body: int) -> None:
-        self.network.handlers[self.peer_id][method] = (handler, max_body)
+        await self.serve_stream(method, unary(handler), max_body=max_body, max_frames=1)
+
+    async def serve_stream(self, method: str, handler: StreamHandler, *, max_body: int, max_frames: int) -> None:
+        self.network.handlers[self.peer_id][method] = (handler, max_body, max_frames)

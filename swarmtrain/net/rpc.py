@@ -1,9 +1,11 @@
 """Request/response RPCs over hivemind's libp2p streams, with deadlines, size limits and byte counters.
 
-Every message is two length-prefixed frames: a msgpack header (a dict, at most ``MAX_HEADER`` bytes) and a
-binary body (at most the handler's ``max_body``). p2pd streams do not half-close, so nothing relies on EOF:
-both sides read exactly the frames they expect. Lengths are checked before anything is allocated, so a peer
-that claims a 1 TB body is refused after 8 bytes.
+A request is a msgpack header (a dict, at most ``MAX_HEADER`` bytes, with the number of body frames that follow
+under ``"frames"``) and that many length-prefixed binary frames (each at most the handler's ``max_body``); the
+answer is a header and one body frame. A unary call sends one frame; a streamed call sends many over the same
+stream without waiting for acknowledgements, which is how shards move in parts. p2pd streams do not half-close,
+so nothing relies on EOF: both sides read exactly the frames they expect. Lengths are checked before anything
+is allocated, so a peer that claims a 1 TB body is refused after 8 bytes.
 
 ``Transport`` is the interface the protocol code sees; ``P2PTransport`` runs it on a real ``hivemind.p2p.P2P``
 and ``MemoryTransport`` (in ``swarmtrain.net.memory``) runs it in process for fast, deterministic tests.
@@ -13,7 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -29,6 +31,7 @@ _LEN_BYTES = 8
 _PREFIX = "swarmtrain/"
 
 Handler = Callable[[str, dict[str, Any], bytes], Awaitable[tuple[dict[str, Any], bytes]]]
+StreamHandler = Callable[[str, dict[str, Any], AsyncIterator[bytes]], Awaitable[tuple[dict[str, Any], bytes]]]
 
 
 class RpcError(SwarmtrainError):
@@ -44,11 +47,19 @@ class RpcTimeout(RpcError):
 
 
 class RemoteError(RpcError):
-    """The peer answered with an error (it rejected the request)."""
+    """The peer answered with an error (it rejected the request); ``code`` says why in one word."""
+
+    def __init__(self, message: str, code: str = "rejected") -> None:
+        super().__init__(message)
+        self.code = code
 
 
 class Rejected(RpcError):
-    """Raised by a handler to refuse a request; the caller sees a ``RemoteError`` with the reason."""
+    """Raised by a handler to refuse a request; the caller sees a ``RemoteError`` with the reason and code."""
+
+    def __init__(self, message: str, code: str = "rejected") -> None:
+        super().__init__(message)
+        self.code = code
 
 
 class BadMessage(RpcError):
@@ -69,7 +80,20 @@ class Transport(Protocol):
         self, peer: str, method: str, header: dict[str, Any], body: bytes = b"", *, timeout: float
     ) -> tuple[dict[str, Any], bytes]: ...
 
+    async def call_stream(
+        self,
+        peer: str,
+        method: str,
+        header: dict[str, Any],
+        frames: AsyncIterator[bytes],
+        *,
+        count: int,
+        timeout: float,
+    ) -> tuple[dict[str, Any], bytes]: ...
+
     async def serve(self, method: str, handler: Handler, *, max_body: int) -> None: ...
+
+    async def serve_stream(self, method: str, handler: StreamHandler, *, max_body: int, max_frames: int) -> None: ...
 
 
 def pack_header(header: dict[str, Any]) -> bytes:
@@ -103,14 +127,20 @@ def write_frame(writer: asyncio.StreamWriter, data: bytes | memoryview) -> int:
 
 
 async def run_handler(
-    handler: Handler, method: str, remote: str, header: dict[str, Any], body: bytes
+    handler: Callable[[str, dict[str, Any], Any], Awaitable[tuple[dict[str, Any], bytes]]],
+    method: str,
+    remote: str,
+    header: dict[str, Any],
+    body: Any,
 ) -> tuple[dict[str, Any], bytes]:
     """Run a handler; a rejection or a bug becomes an error answer, never a crash of the node."""
     try:
         return await handler(remote, header, body)
+    except (asyncio.IncompleteReadError, ConnectionError):
+        raise  # the caller went away mid-stream; there is nobody to answer
     except RpcError as exc:
         log.warning("rejected %s from %s: %s", method, remote[-8:], exc)
-        return {"error": str(exc)}, b""
+        return {"error": str(exc), "code": getattr(exc, "code", "rejected")}, b""
     except Exception:
         log.exception("handler %s failed on a request from %s", method, remote[-8:])
         return {"error": "internal error"}, b""
@@ -128,17 +158,39 @@ class P2PTransport:
     async def call(
         self, peer: str, method: str, header: dict[str, Any], body: bytes = b"", *, timeout: float
     ) -> tuple[dict[str, Any], bytes]:
+        return await self.call_stream(peer, method, header, single(body), count=1, timeout=timeout)
+
+    async def call_stream(
+        self,
+        peer: str,
+        method: str,
+        header: dict[str, Any],
+        frames: AsyncIterator[bytes],
+        *,
+        count: int,
+        timeout: float,
+    ) -> tuple[dict[str, Any], bytes]:
+        """Send ``count`` frames after the header on one stream (each written as soon as the previous drained)."""
         try:
-            return await asyncio.wait_for(self._call(peer, method, header, body), timeout)
+            return await asyncio.wait_for(self._call(peer, method, header, frames, count), timeout)
         except TimeoutError:
             raise RpcTimeout(f"{method} to {peer[-8:]} timed out after {timeout:.1f} s") from None
 
-    async def _call(self, peer: str, method: str, header: dict[str, Any], body: bytes) -> tuple[dict[str, Any], bytes]:
-        packed = pack_header(header)
+    async def _call(
+        self, peer: str, method: str, header: dict[str, Any], frames: AsyncIterator[bytes], count: int
+    ) -> tuple[dict[str, Any], bytes]:
+        packed = pack_header({**header, "frames": count})
         writer = None
         try:
             _, reader, writer = await self.p2p.call_binary_stream_handler(PeerID.from_base58(peer), _PREFIX + method)
-            self.counter.sent += write_frame(writer, packed) + write_frame(writer, memoryview(body))
+            self.counter.sent += write_frame(writer, packed)
+            sent = 0
+            async for frame in frames:
+                self.counter.sent += write_frame(writer, memoryview(frame))
+                await writer.drain()
+                sent += 1
+            if sent != count:
+                raise BadMessage(f"{method}: {sent} frames produced, {count} announced")
             await writer.drain()
             raw = await read_frame(reader, MAX_HEADER)
             response_body = await read_frame(reader, self.max_response)
@@ -146,6 +198,8 @@ class P2PTransport:
             response = unpack_header(raw)
         except (ConnectionError, asyncio.IncompleteReadError, OSError) as exc:
             raise PeerUnreachable(f"{method} to {peer[-8:]} failed: {exc!r}") from None
+        except BadMessage as exc:  # a garbled answer: treat the peer as broken, like a dropped stream
+            raise PeerUnreachable(f"{method} to {peer[-8:]}: bad answer: {exc}") from None
         except Exception as exc:  # p2pd control errors (dial failures) surface as assorted exception types
             if isinstance(exc, RpcError | asyncio.CancelledError):
                 raise
@@ -154,17 +208,42 @@ class P2PTransport:
             if writer is not None:
                 writer.close()
         if "error" in response:
-            raise RemoteError(f"{peer[-8:]} rejected {method}: {response['error']}")
+            raise RemoteError(f"{peer[-8:]} rejected {method}: {response['error']}", str(response.get("code")))
         return response, response_body
 
     async def serve(self, method: str, handler: Handler, *, max_body: int) -> None:
+        await self.serve_stream(method, unary(handler), max_body=max_body, max_frames=1)
+
+    async def serve_stream(self, method: str, handler: StreamHandler, *, max_body: int, max_frames: int) -> None:
         async def on_stream(info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
             remote = info.peer_id.to_base58()
             try:
                 raw = await read_frame(reader, MAX_HEADER)
-                body = await read_frame(reader, max_body)
-                self.counter.received += 2 * _LEN_BYTES + len(raw) + len(body)
-                response, response_body = await run_handler(handler, method, remote, unpack_header(raw), body)
+                self.counter.received += _LEN_BYTES + len(raw)
+                header = unpack_header(raw)
+                count = header.pop("frames", None)
+                if not isinstance(count, int) or isinstance(count, bool) or not 0 <= count <= max_frames:
+                    raise BadMessage(f"{method}: frame count {count!r} is not within 0..{max_frames}")
+                consumed, oversized = 0, None
+
+                async def frames() -> AsyncIterator[bytes]:
+                    nonlocal consumed, oversized
+                    while consumed < count:
+                        try:
+                            data = await read_frame(reader, max_body)
+                        except BadMessage as exc:
+                            oversized = exc  # the stream is out of step now: no answer can follow
+                            raise
+                        consumed += 1
+                        self.counter.received += _LEN_BYTES + len(data)
+                        yield data
+
+                response, response_body = await run_handler(handler, method, remote, header, frames())
+                if oversized is not None:
+                    raise oversized
+                while consumed < count:  # a refusal mid-stream: read the rest (bounded) so the answer arrives
+                    consumed += 1
+                    self.counter.received += _LEN_BYTES + len(await read_frame(reader, max_body))
                 self.counter.sent += write_frame(writer, pack_header(response)) + write_frame(writer, response_body)
                 await writer.drain()
             except BadMessage as exc:
@@ -175,3 +254,21 @@ class P2PTransport:
                 writer.close()
 
         await self.p2p.add_binary_stream_handler(_PREFIX + method, on_stream)
+
+
+async def single(body: bytes) -> AsyncIterator[bytes]:
+    yield body
+
+
+def unary(handler: Handler) -> StreamHandler:
+    """A one-frame handler as a stream handler."""
+
+    async def wrapped(
+        sender: str, header: dict[str, Any], frames: AsyncIterator[bytes]
+    ) -> tuple[dict[str, Any], bytes]:
+        body = b""
+        async for frame in frames:
+            body = frame
+        return await handler(sender, header, body)
+
+    return wrapped

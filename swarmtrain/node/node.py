@@ -213,7 +213,13 @@ class Node:
             live = list(membership.view)
             candidates = leader_candidates(live, averager.me, averager.group_size, node.run_id, averager.round)
             gather = max(config.averaging.min_gather_s, 0.5 * last_inner)
-            outcome = await averager.run_round(delta, float(tokens), candidates, set(candidates), gather)
+            try:
+                outcome = await averager.run_round(delta, float(tokens), candidates, set(candidates), gather)
+            except (SwarmtrainError, OSError) as exc:  # a round that broke must not take the node down
+                log.error("round %d failed (%r); catching up from the swarm before the next one", averager.round, exc)
+                averager.round += 1
+                averager.needs_catch_up = True
+                continue
             self._load_theta(trainer, averager)
             membership.update(round=averager.round, digest=outcome.digest)
             bpb = None
