@@ -131,7 +131,7 @@ def test_gossip_groups_cover_everyone_and_change_with_the_round() -> None:
     assert leader_candidates(peers[:4], "p2", 16, "run", 0) == sorted(peers[:4])
 
 
-@pytest.mark.parametrize("codec", ["fp16"])
+@pytest.mark.parametrize("codec", ["fp16", "int8", "int4"])
 async def test_lossy_down_codec_still_gives_identical_replicas(codec: str) -> None:
     net, averagers = make_swarm(4, codec, lr=0.7, momentum=0.9)
     for a in averagers:
