@@ -14,15 +14,13 @@ from swarmtrain.net.rpc import (
     MAX_HEADER,
     BadMessage,
     ByteCounter,
-    Handler,
     PeerUnreachable,
     RemoteError,
     RpcTimeout,
     StreamHandler,
+    UnaryCalls,
     pack_header,
     run_handler,
-    single,
-    unary,
     unpack_header,
 )
 
@@ -42,16 +40,11 @@ class MemoryNetwork:
         self.dead.add(peer_id)
 
 
-class MemoryTransport:
+class MemoryTransport(UnaryCalls):
     def __init__(self, network: MemoryNetwork, peer_id: str) -> None:
         self.network = network
         self.peer_id = peer_id
         self.counter = ByteCounter()
-
-    async def call(
-        self, peer: str, method: str, header: dict[str, Any], body: bytes = b"", *, timeout: float
-    ) -> tuple[dict[str, Any], bytes]:
-        return await self.call_stream(peer, method, header, single(body), count=1, timeout=timeout)
 
     async def call_stream(
         self,
@@ -107,9 +100,6 @@ class MemoryTransport:
         if "error" in response:
             raise RemoteError(f"{peer} rejected {method}: {response['error']}", str(response.get("code")))
         return response, response_body
-
-    async def serve(self, method: str, handler: Handler, *, max_body: int) -> None:
-        await self.serve_stream(method, unary(handler), max_body=max_body, max_frames=1)
 
     async def serve_stream(self, method: str, handler: StreamHandler, *, max_body: int, max_frames: int) -> None:
         self.network.handlers[self.peer_id][method] = (handler, max_body, max_frames)

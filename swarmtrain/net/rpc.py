@@ -146,7 +146,34 @@ async def run_handler(
         return {"error": "internal error"}, b""
 
 
-class P2PTransport:
+class UnaryCalls:
+    """``call`` and ``serve`` (one frame each way) in terms of a transport's streamed forms."""
+
+    async def call_stream(
+        self,
+        peer: str,
+        method: str,
+        header: dict[str, Any],
+        frames: AsyncIterator[bytes],
+        *,
+        count: int,
+        timeout: float,
+    ) -> tuple[dict[str, Any], bytes]:
+        raise NotImplementedError
+
+    async def serve_stream(self, method: str, handler: StreamHandler, *, max_body: int, max_frames: int) -> None:
+        raise NotImplementedError
+
+    async def call(
+        self, peer: str, method: str, header: dict[str, Any], body: bytes = b"", *, timeout: float
+    ) -> tuple[dict[str, Any], bytes]:
+        return await self.call_stream(peer, method, header, single(body), count=1, timeout=timeout)
+
+    async def serve(self, method: str, handler: Handler, *, max_body: int) -> None:
+        await self.serve_stream(method, unary(handler), max_body=max_body, max_frames=1)
+
+
+class P2PTransport(UnaryCalls):
     """``Transport`` over a running ``hivemind.p2p.P2P`` daemon."""
 
     def __init__(self, p2p: P2P, max_response: int = 1 << 31) -> None:
@@ -154,11 +181,6 @@ class P2PTransport:
         self.peer_id = p2p.peer_id.to_base58()
         self.counter = ByteCounter()
         self.max_response = max_response
-
-    async def call(
-        self, peer: str, method: str, header: dict[str, Any], body: bytes = b"", *, timeout: float
-    ) -> tuple[dict[str, Any], bytes]:
-        return await self.call_stream(peer, method, header, single(body), count=1, timeout=timeout)
 
     async def call_stream(
         self,
@@ -210,9 +232,6 @@ class P2PTransport:
         if "error" in response:
             raise RemoteError(f"{peer[-8:]} rejected {method}: {response['error']}", str(response.get("code")))
         return response, response_body
-
-    async def serve(self, method: str, handler: Handler, *, max_body: int) -> None:
-        await self.serve_stream(method, unary(handler), max_body=max_body, max_frames=1)
 
     async def serve_stream(self, method: str, handler: StreamHandler, *, max_body: int, max_frames: int) -> None:
         async def on_stream(info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
