@@ -24,6 +24,8 @@ from tempfile import TemporaryDirectory
 
 import torch
 
+from swarmtrain.config import AveragingConfig
+
 
 def lo_tx_bytes() -> int:
     for line in Path("/proc/net/dev").read_text().splitlines():
@@ -46,7 +48,7 @@ def _barrier(workdir: Path, idx: int) -> None:
     _wait_for(workdir / "go", timeout=600)
 
 
-PART_NUMEL = 1 << 18
+PART_NUMEL = AveragingConfig().part_numel  # what a node uses by default
 
 
 def ours_worker(idx: int, peers: int, numel: int, codec: str, rounds: int, workdir: str) -> None:

@@ -103,7 +103,7 @@ async def wait_or_dead(done: asyncio.Event, dead: asyncio.Event, deadline: float
 
 
 def tensor_hash(t: torch.Tensor) -> str:
-    return hashlib.blake2b(t.contiguous().view(torch.uint8).numpy(), digest_size=12).hexdigest()
+    return hashlib.sha256(t.contiguous().view(torch.uint8).numpy()).hexdigest()[:24]
 
 
 @dataclass
@@ -143,6 +143,7 @@ class AllReduce:
         deadline: float,
         on_part_sent: Callable[[int], None] | None = None,
         tag: str = "",
+        scratch: Callable[[str, int], torch.Tensor] | None = None,
     ) -> None:
         self.group, self.me, self.transport = group, me, transport
         self.delta = delta
@@ -159,11 +160,16 @@ class AllReduce:
         self.report_deadline = loop_now + 0.88 * span
         self.deadline = deadline
         self.liveness = Liveness(transport, self.header)
+        # Big buffers come from the averager's scratch pool when it has one: fresh multi-MB allocations
+        # page-fault on every round, which cost more than the arithmetic on them.
+        alloc = scratch or (lambda name, numel: torch.zeros(numel))
         start, end = self.bounds[self.index]
-        self.inbox = {p: _Inbox(torch.zeros(end - start)) for p in group.members}
+        self.inbox = {p: _Inbox(alloc(f"{tag}inbox{i}", end - start)) for i, p in enumerate(group.members)}
+        self.closed = False  # after the transfer, late parts must not write into (reused) buffers
         self.bad_senders: set[str] = set()
         self.reduced_parts: set[int] = set()
-        self.results = [_Inbox(torch.zeros(e - s)) for s, e in self.bounds]
+        self.average = alloc(f"{tag}average", delta.numel())  # results land in place: no concatenation
+        self.results = [_Inbox(self.average[s:e]) for s, e in self.bounds]
         self.reports: dict[str, list[str | None]] = {}
         self.reports_in = {p: asyncio.Event() for p in group.members}
         self.digests: dict[str, str] = {}
@@ -186,10 +192,11 @@ class AllReduce:
             values = codec.decode(body, numel)
         except CodecError as exc:
             raise Rejected(f"bad {what} payload: {exc}") from None
-        if values.numel() != numel or not torch.isfinite(values).all():
-            raise Rejected(f"bad {what} payload: wrong size or non-finite values")
-        if numel and values.abs().max() > MAX_ABS_VALUE:
-            raise Rejected(f"bad {what} payload: values beyond +-{MAX_ABS_VALUE:g}")
+        if values.numel() != numel:
+            raise Rejected(f"bad {what} payload: {values.numel()} values, expected {numel}")
+        low, high = torch.aminmax(values) if numel else (torch.tensor(0.0), torch.tensor(0.0))
+        if not max(-low.item(), high.item()) <= MAX_ABS_VALUE:  # NaN propagates: one pass checks both
+            raise Rejected(f"bad {what} payload: non-finite values or values beyond +-{MAX_ABS_VALUE:g}")
         return values
 
     def _store(self, box: _Inbox, header: dict[str, Any], body: bytes, codec: Codec, what: str) -> None:
@@ -212,7 +219,7 @@ class AllReduce:
         self._check_member(sender)
         box = self.inbox[sender]
         part = header.get("part")
-        if sender in self.bad_senders or part in box.parts or part in self.reduced_parts:
+        if self.closed or sender in self.bad_senders or part in box.parts or part in self.reduced_parts:
             raise Rejected("late, duplicate or already excluded contribution")
         try:
             if header.get("shard") != self.index:
@@ -227,8 +234,8 @@ class AllReduce:
 
     def on_result(self, sender: str, header: dict[str, Any], body: bytes) -> None:
         j = self._check_member(sender)
-        if sender in self.bad_senders:
-            raise Rejected("this round already excluded you for a bad payload")
+        if sender in self.bad_senders or self.closed:
+            raise Rejected("this round already excluded you or is over")
         if header.get("shard") != j:
             raise Rejected(f"{sender[-8:]} reduces shard {j}, not {header.get('shard')!r}")
         if header.get("part") in self.results[j].parts:
@@ -378,6 +385,7 @@ class AllReduce:
         try:
             scatter = [self._scatter_to(j) for j in range(self.group.size)]
             await asyncio.gather(*scatter, self._reduce_and_broadcast(), self._gather())
+            self.closed = True
             transferred = loop.time()
             hashes = [tensor_hash(r.buffer) if r.complete.is_set() else None for r in self.results]
             await self._exchange("report", {"hashes": hashes}, self.reports_in, self.report_deadline)
@@ -386,13 +394,15 @@ class AllReduce:
                 hashes[j] is not None and all(rep[j] == hashes[j] for rep in self.reports.values())
                 for j in range(self.group.size)
             ]
-            average = torch.cat(
-                [r.buffer if ok else torch.zeros_like(r.buffer) for r, ok in zip(self.results, applied, strict=True)]
-            )
+            for result, ok in zip(self.results, applied, strict=True):
+                if not ok:
+                    result.buffer.zero_()  # the same fallback on every member: no update for this shard
+            average = self.average
             excluded = sorted(self.liveness.dead | self.bad_senders)
             phases = {"transfer_s": transferred - started, "report_s": loop.time() - transferred}
             return AllReduceResult(average, applied, excluded, phases)
         finally:
+            self.closed = True
             self.liveness.close()
 
     async def _gather(self) -> None:

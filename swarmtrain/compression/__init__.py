@@ -6,7 +6,7 @@
 we compete on: bytes on the wire per parameter per sync.
 """
 
-from swarmtrain.compression.base import BaseCodec, Codec, CodecState
+from swarmtrain.compression.base import BaseCodec, Codec, CodecState, all_finite
 from swarmtrain.compression.registry import CODEC_NAMES, decode_payload, get_codec
 from swarmtrain.compression.wire import CodecError, Header, peek_header
 
@@ -16,6 +16,7 @@ __all__ = [
     "Codec",
     "CodecError",
     "CodecState",
+    "all_finite",
     "Header",
     "decode_payload",
     "get_codec",
