@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -120,3 +121,45 @@ def test_nodes_find_each_other_through_a_stock_hivemind_dht_bootstrap_peer(swarm
     assert sorted(table) == [0, 1, 2]
     assert all(len(set(d.values())) == 1 and len(d) == 2 for d in table.values())
     assert all(r["group_size"] == 2 for r in swarm.rounds("a"))
+
+
+def test_bootstrap_status_and_a_graceful_ctrl_c(swarm: Swarm, tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SWARMTRAIN_")}
+    log_path = tmp_path / "bootstrap.log"
+    with open(log_path, "wb") as log:
+        boot = subprocess.Popen(
+            [sys.executable, "-m", "swarmtrain", "bootstrap", "--run-dir", str(tmp_path / "boot")],
+            stdout=log, stderr=subprocess.STDOUT, env=env,
+        )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 60
+        maddr = None
+        while maddr is None and time.monotonic() < deadline and boot.poll() is None:
+            found = re.search(r"--join (\S+)", log_path.read_text(errors="replace"))
+            maddr = found.group(1) if found else None
+            time.sleep(0.2)
+        assert maddr, log_path.read_text(errors="replace")
+        node = swarm.start("a", 0, join=maddr)  # rounds=0: runs until interrupted
+        deadline = time.monotonic() + 60
+        while not swarm.rounds("a") and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert swarm.rounds("a"), swarm.log("a")
+        status = subprocess.run(
+            [sys.executable, "-m", "swarmtrain", "status", "--join", maddr, "--json"],
+            capture_output=True, text=True, timeout=90, env=env,
+        )  # fmt: skip
+        assert status.returncode == 0, status.stderr
+        peers = json.loads(status.stdout)
+        assert [p["peer_id"] for p in peers] == [swarm.join_line("a").rsplit("/", 1)[-1]]
+        assert peers[0]["round"] >= 0 and peers[0]["run_id"] == "swarmtrain"
+        node.send_signal(signal.SIGINT)
+        assert node.wait(timeout=60) == 0, swarm.log("a")
+        assert "leaving the swarm gracefully" in swarm.log("a")
+        assert list((tmp_path / "a" / "checkpoints").glob("step-*.safetensors"))
+    finally:
+        boot.send_signal(signal.SIGINT)
+        try:
+            boot.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            boot.kill()
+            boot.wait()
