@@ -161,7 +161,9 @@ class AveragingConfig(_Section):
     outer_momentum: float = Field(0.9, ge=0.0, lt=1.0)
     """Nesterov momentum of the outer optimizer (0 disables it)."""
     codec: str = "fp16"
-    """Codec of the payloads sent to reducers (fp32, fp16, ...)."""
+    """Codec of the payloads sent to reducers: fp32, fp16, bf16, int8, int4, 2bit, topk:frac=0.01, ... (one spec)."""
+    error_feedback: bool = True
+    """Keep what a lossy uplink codec drops and add it to the next round's update (sender-side residual)."""
     codec_down: str = ""
     """Codec of the averaged shards reducers send back; empty means the same as averaging.codec."""
     part_numel: int = Field(1 << 20, ge=1024)

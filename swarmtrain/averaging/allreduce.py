@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from swarmtrain.averaging.group import Group
-from swarmtrain.compression import Codec, CodecError
+from swarmtrain.compression import Codec, CodecError, CodecState
 from swarmtrain.net import PeerUnreachable, Rejected, RemoteError, RpcError, RpcTimeout, Transport
 
 log = logging.getLogger(__name__)
@@ -144,6 +144,7 @@ class AllReduce:
         on_part_sent: Callable[[int], None] | None = None,
         tag: str = "",
         scratch: Callable[[str, int], torch.Tensor] | None = None,
+        residual: torch.Tensor | None = None,
     ) -> None:
         self.group, self.me, self.transport = group, me, transport
         self.delta = delta
@@ -176,6 +177,7 @@ class AllReduce:
         self.digests_in = {p: asyncio.Event() for p in group.members}
         self.on_part_sent = on_part_sent
         self.parts_sent = 0
+        self.residual = residual  # sender-side error feedback, the full length of ``delta``; kept by the caller
 
     # ---- helpers ----------------------------------------------------------------------------------------
 
@@ -304,22 +306,32 @@ class AllReduce:
         if self.group.weights[self.index] == 0:
             return  # an observer (weight 0) receives the average but contributes nothing
         start, end = self.bounds[j]
-        shard = self.delta[start:end]
         parts = self._parts(end - start)
         header = {**self.header, "shard": j, "codec": self.codec_up.name}
         if j == self.index:
             for p, (s, e) in enumerate(parts):
-                self._deliver_locally("parts", header, p, self.codec_up.encode(shard[s:e]))
+                self._deliver_locally("parts", header, p, self._encode_up(start + s, start + e))
             return
 
         async def frames() -> AsyncIterator[bytes]:
             for p, (s, e) in enumerate(parts):
                 if p:
                     self._part_sent()  # the transport asks for frame p once frame p - 1 is written and drained
-                yield self.codec_up.encode(shard[s:e])
+                yield self._encode_up(start + s, start + e)
             self._part_sent()
 
         await self._stream(self.group.members[j], "parts", header, frames(), len(parts), self.scatter_deadline)
+
+    def _encode_up(self, start: int, end: int) -> bytes:
+        """Encode ``delta[start:end]`` for its reducer; with error feedback, what a lossy codec drops now is
+        added to the same coordinates next round instead of being lost."""
+        if self.residual is None:
+            return self.codec_up.encode(self.delta[start:end])
+        state = CodecState(residual=self.residual[start:end].clone())
+        payload = self.codec_up.encode(self.delta[start:end], state)
+        assert state.residual is not None
+        self.residual[start:end] = state.residual
+        return payload
 
     def _part_sent(self) -> None:
         self.parts_sent += 1

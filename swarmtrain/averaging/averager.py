@@ -64,6 +64,7 @@ class Averager:
         min_deadline: float,
         deadline_factor: float,
         fail_at: str = "",
+        error_feedback: bool = True,
     ) -> None:
         self.transport = transport
         self.me = transport.peer_id
@@ -78,6 +79,9 @@ class Averager:
         self.round = 0
         self.needs_catch_up = False
         self._buffers: dict[str, torch.Tensor] = {}
+        # Error feedback for lossy uplink codecs: what the codec dropped, re-sent with later rounds.
+        lossless = codec_up.name == "fp32"
+        self.residual = torch.zeros_like(theta) if error_feedback and not lossless else None
         self._routes: dict[str, asyncio.Future[AllReduce]] = {}
         self._durations: list[float] = []
         self.fail_at = tuple(int(kv.split("=")[1]) for kv in fail_at.split(",")) if fail_at else None
@@ -269,7 +273,7 @@ class Averager:
                 spread = float((self.outer.theta - mixed.average[:numel]).norm() / mixed.average[:numel].norm())
                 self.outer.theta.copy_(mixed.average[:numel])
                 self.outer.buf.copy_(mixed.average[numel:])
-        allreduce = self._allreduce(group, delta, deadline, fault=self._fault_hook(round_))
+        allreduce = self._allreduce(group, delta, deadline, fault=self._fault_hook(round_), residual=self.residual)
         phases = {"group_s": allreduce_started - started}
         result = await self._run(allreduce)
         phases.update(result.phases)
@@ -311,11 +315,12 @@ class Averager:
         codec: Codec | None = None,
         tag: str = "",
         fault: Callable[[int], None] | None = None,
+        residual: torch.Tensor | None = None,
     ) -> AllReduce:
         allreduce = AllReduce(
             group, self.me, vector, self.transport, header=self.header, codec_up=codec or self.codec_up,
             codec_down=codec or self.codec_down, part_numel=self.part_numel, deadline=deadline,
-            on_part_sent=fault, tag=tag, scratch=self._scratch,
+            on_part_sent=fault, tag=tag, scratch=self._scratch, residual=residual,
         )  # fmt: skip
         route = self._route(allreduce.route)
         if not route.done():
