@@ -43,10 +43,11 @@ SETTINGS = [
 def run_swarm(codec: str, nodes: int, rounds: int, root: Path) -> dict[str, float]:
     settings = [*SETTINGS, f"node.min_peers={nodes}", f"averaging.codec={codec}"]
     dirs = [root / f"node{i}" for i in range(nodes)]
-    procs = [start_node(dirs[0], rounds, None, settings)]
+    # Node i reads the same windows in every run (peer ids are new each run), so codecs differ only in codec.
+    procs = [start_node(dirs[0], rounds, None, [*settings, "node.data_seed=0"])]
     try:
         first = wait_for_join_line(dirs[0], procs[0])
-        procs += [start_node(d, rounds, first, settings) for d in dirs[1:]]
+        procs += [start_node(d, rounds, first, [*settings, f"node.data_seed={i}"]) for i, d in enumerate(dirs[1:], 1)]
         deadline = time.monotonic() + 120 + 60 * rounds
         while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
             time.sleep(1.0)

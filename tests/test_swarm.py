@@ -45,6 +45,8 @@ def test_four_nodes_agree_bit_for_bit_after_every_round(swarm: Swarm) -> None:
     rows = swarm.rounds("n1")
     assert all(r["group_size"] == 4 and r["outcome"] == "applied" for r in rows)
     assert all(r["bytes_sent"] > 0 and r["codec"] == "fp16" for r in rows)
+    # fp16 butterfly: each node sends 2 (n - 1) / n of a 2-byte payload per parameter, plus small messages.
+    assert all(2 * 0.75 * 2 <= r["bytes_per_param"] < 2 * 0.75 * 2 * 1.1 for r in rows)
     final = [r for r in swarm.metrics("n1") if r["kind"] == "final"][0]
     assert final["bpb"] < 8.0
 

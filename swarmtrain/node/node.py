@@ -83,6 +83,7 @@ class Node:
         self.config = config
         self.run_dir = Path(config.run_dir)
         self.metrics_path = self.run_dir / "metrics.jsonl"
+        self.numel = 0
 
     async def run(self) -> None:
         config, node, avg = self.config, self.config.node, self.config.averaging
@@ -101,6 +102,7 @@ class Node:
             data_seed = node.data_seed if node.data_seed is not None else zlib.crc32(me.encode())
             trainer = Trainer(config, corpus, data_seed=data_seed)
             theta = parameters_to_vector(trainer.model.parameters()).detach().clone()
+            self.numel = theta.numel()
             transport = P2PTransport(p2p)
             averager = Averager(
                 transport, theta, run_id=node.run_id, group_size=avg.group_size, outer_lr=avg.outer_lr,
@@ -250,6 +252,7 @@ class Node:
             "tokens": tokens,
             "bytes_sent": transport.counter.sent - sent,
             "bytes_received": transport.counter.received - received,
+            "bytes_per_param": round((transport.counter.sent - sent) / self.numel, 6),
             "duration_s": round(outcome.duration_s, 4),
             "codec": self.config.averaging.codec,
             "outcome": outcome.outcome,
