@@ -84,6 +84,7 @@ class Liveness:
     def close(self) -> None:
         for task in self._watchers.values():
             task.cancel()
+        self._watchers.clear()  # a later phase (the digest exchange) may watch again
 
 
 async def wait_or_dead(done: asyncio.Event, dead: asyncio.Event, deadline: float) -> bool:

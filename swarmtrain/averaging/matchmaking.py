@@ -105,7 +105,9 @@ class Matchmaker:
     ) -> Group:
         """Meet the others of my gossip group for ``round_``; a group of one if nobody can be reached."""
         lobby = self._lobby(round_)
-        queue, tried, retries = list(candidates), set(), 0
+        queue, tried = list(candidates), set()
+        # A peer that redirects to a leader I found dead is failing over itself; it may take a few pings.
+        retry_until = asyncio.get_running_loop().time() + gather_timeout + 5.0
         while queue:
             candidate = queue.pop(0)
             if candidate in tried:
@@ -126,9 +128,7 @@ class Matchmaker:
                 target = answer["redirect"]
                 if isinstance(target, str) and target not in tried:
                     queue.insert(0, target)
-                elif retries < 10:
-                    # It follows a leader I found dead: it is failing over too and may lead in a moment.
-                    retries += 1
+                elif asyncio.get_running_loop().time() < retry_until:
                     tried.discard(candidate)
                     queue.insert(0, candidate)
                     await asyncio.sleep(0.3)
