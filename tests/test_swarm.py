@@ -26,6 +26,22 @@ def swarm(tmp_path: Path, text_file: Path) -> Iterator[Swarm]:
         s.close()
 
 
+def start_logged(args: list[str], log_path: Path, **kwargs: object) -> tuple[subprocess.Popen[bytes], Path]:
+    with open(log_path, "wb") as log:
+        return subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, **kwargs), log_path  # type: ignore[call-overload]
+
+
+def wait_for_match(proc: subprocess.Popen[bytes], log_path: Path, pattern: str, timeout: float = 60) -> str:
+    """The first group of ``pattern`` in the process's log, waiting for it to appear (bounded)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and proc.poll() is None:
+        found = re.search(pattern, log_path.read_text(errors="replace"))
+        if found:
+            return found.group(1)
+        time.sleep(0.2)
+    raise AssertionError(f"no {pattern!r} in {log_path}:\n{log_path.read_text(errors='replace')[-2000:]}")
+
+
 def digests_by_round(swarm: Swarm, names: list[str]) -> dict[int, dict[str, str]]:
     table: dict[int, dict[str, str]] = {}
     for name in names:
@@ -99,20 +115,10 @@ def test_gossip_groups_agree_inside_and_mix_across(swarm: Swarm) -> None:
 
 
 def test_nodes_find_each_other_through_a_stock_hivemind_dht_bootstrap_peer(swarm: Swarm, tmp_path: Path) -> None:
-    log_path = tmp_path / "hivemind-dht.log"
-    with open(log_path, "wb") as log:
-        boot = subprocess.Popen(
-            [str(Path(sys.executable).with_name("hivemind-dht")), "--host_maddrs", "/ip4/127.0.0.1/tcp/0"],
-            stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-        )  # fmt: skip
+    hivemind_dht = [str(Path(sys.executable).with_name("hivemind-dht")), "--host_maddrs", "/ip4/127.0.0.1/tcp/0"]
+    boot, log_path = start_logged(hivemind_dht, tmp_path / "hivemind-dht.log", start_new_session=True)
     try:
-        deadline = time.monotonic() + 60
-        maddr = None
-        while maddr is None and time.monotonic() < deadline and boot.poll() is None:
-            found = re.search(r"(/ip4/127\.0\.0\.1/tcp/\d+/p2p/\w+)", log_path.read_text(errors="replace"))
-            maddr = found.group(1) if found else None
-            time.sleep(0.2)
-        assert maddr, log_path.read_text(errors="replace")
+        maddr = wait_for_match(boot, log_path, r"(/ip4/127\.0\.0\.1/tcp/\d+/p2p/\w+)")
         for name in ("a", "b"):  # neither node knows the other: only the hivemind peer
             swarm.start(name, 3, join=maddr, extra=["node.min_peers=2"])
         swarm.wait(["a", "b"], timeout=120)
@@ -127,20 +133,10 @@ def test_nodes_find_each_other_through_a_stock_hivemind_dht_bootstrap_peer(swarm
 
 def test_bootstrap_status_and_a_graceful_ctrl_c(swarm: Swarm, tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("SWARMTRAIN_")}
-    log_path = tmp_path / "bootstrap.log"
-    with open(log_path, "wb") as log:
-        boot = subprocess.Popen(
-            [sys.executable, "-m", "swarmtrain", "bootstrap", "--run-dir", str(tmp_path / "boot")],
-            stdout=log, stderr=subprocess.STDOUT, env=env,
-        )  # fmt: skip
+    bootstrap = [sys.executable, "-m", "swarmtrain", "bootstrap", "--run-dir", str(tmp_path / "boot")]
+    boot, log_path = start_logged(bootstrap, tmp_path / "bootstrap.log", env=env)
     try:
-        deadline = time.monotonic() + 60
-        maddr = None
-        while maddr is None and time.monotonic() < deadline and boot.poll() is None:
-            found = re.search(r"--join (\S+)", log_path.read_text(errors="replace"))
-            maddr = found.group(1) if found else None
-            time.sleep(0.2)
-        assert maddr, log_path.read_text(errors="replace")
+        maddr = wait_for_match(boot, log_path, r"--join (\S+)")
         node = swarm.start("a", 0, join=maddr)  # rounds=0: runs until interrupted
         deadline = time.monotonic() + 60
         while not swarm.rounds("a") and time.monotonic() < deadline:
