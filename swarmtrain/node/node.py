@@ -84,6 +84,7 @@ class Node:
         self.run_dir = Path(config.run_dir)
         self.metrics_path = self.run_dir / "metrics.jsonl"
         self.numel = 0
+        self.observe = False  # sit out the training of the round we just caught up into
 
     async def run(self) -> None:
         config, node, avg = self.config, self.config.node, self.config.averaging
@@ -173,6 +174,7 @@ class Node:
                     "caught up with the swarm at round %d (digest %s)", averager.round, averager.outer.digest()[:8]
                 )
                 self._load_theta(trainer, averager)
+                self.observe = True
                 return
             if time.monotonic() > deadline:
                 log.warning("could not catch up with the swarm; training on from my own state")
@@ -206,9 +208,15 @@ class Node:
             if averager.needs_catch_up:
                 await self._catch_up(averager, membership, trainer, wait_s=max(30.0, 4 * last_inner))
             membership.update(round=averager.round, phase="training")
-            loss, tokens, inner_s = await asyncio.to_thread(self._inner, trainer, node.inner_steps)
-            last_inner = inner_s
-            membership.update(phase="averaging", tokens_per_s=tokens / max(inner_s, 1e-9))
+            if self.observe:
+                # Just synced while the others train this round: join its group at once as an observer
+                # (weight 0, no update) and receive its average, so from the next round on we are in step.
+                self.observe = False
+                loss, tokens = float("nan"), 0
+            else:
+                loss, tokens, inner_s = await asyncio.to_thread(self._inner, trainer, node.inner_steps)
+                last_inner = inner_s
+            membership.update(phase="averaging", tokens_per_s=tokens / max(last_inner, 1e-9))
             await membership.publish()
             sent, received = transport.counter.sent, transport.counter.received
             delta = averager.outer.theta - parameters_to_vector(trainer.model.parameters()).detach()
@@ -248,7 +256,7 @@ class Node:
             "group": list(outcome.group.members),
             "weights": list(outcome.group.weights),
             "digest": outcome.digest,
-            "loss": loss,
+            "loss": None if loss != loss else loss,
             "tokens": tokens,
             "bytes_sent": transport.counter.sent - sent,
             "bytes_received": transport.counter.received - received,
