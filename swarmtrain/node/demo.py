@@ -1,6 +1,6 @@
 """``swarmtrain demo``: a swarm of real node processes on loopback, then a comparison with one node.
 
-    swarmtrain demo --nodes 4 --rounds 8
+    swarmtrain demo --nodes 4 --rounds 5
 
 Needs no network and no download (the corpus is the Python standard library's source). The summary compares
 the swarm's held-out bits per byte with one node trained for the same wall time on the same machine, and the
