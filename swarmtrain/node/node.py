@@ -15,6 +15,7 @@ import json
 import logging
 import time
 import zlib
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -160,22 +161,20 @@ class Node:
         deadline = time.monotonic() + wait_s
         membership.update(phase="syncing")
         while True:
-            ahead = sorted(
-                (
-                    r
-                    for p, r in membership.view.items()
-                    if p != averager.me and r.round >= averager.round and r.digest and r.phase != "syncing"
-                ),
-                key=lambda r: r.round,
-                reverse=True,
-            )
-            if ahead and await averager.fetch_state([r.peer_id for r in ahead], None):
-                log.info(
-                    "caught up with the swarm at round %d (digest %s)", averager.round, averager.outer.digest()[:8]
-                )
-                self._load_theta(trainer, averager)
-                self.observe = True
-                return
+            ahead = [
+                r
+                for p, r in membership.view.items()
+                if p != averager.me and r.round >= averager.round and r.digest and r.phase != "syncing"
+            ]
+            if ahead:
+                # The round and digest most peers hold, not the highest claim: one peer cannot drag us forward.
+                (target, digest), _ = Counter((r.round, r.digest) for r in ahead).most_common(1)[0]
+                donors = [r.peer_id for r in ahead if (r.round, r.digest) == (target, digest)]
+                if await averager.fetch_state(donors, digest, max_round=target):
+                    log.info("caught up with the swarm at round %d (digest %s)", averager.round, digest[:8])
+                    self._load_theta(trainer, averager)
+                    self.observe = True
+                    return
             if time.monotonic() > deadline:
                 log.warning("could not catch up with the swarm; training on from my own state")
                 averager.needs_catch_up = False
@@ -223,6 +222,7 @@ class Node:
             live = list(membership.view)
             candidates = leader_candidates(live, averager.me, averager.group_size, node.run_id, averager.round)
             gather = max(config.averaging.min_gather_s, 0.5 * last_inner)
+            averager.matchmaker.join_timeout = max(30.0, 3 * last_inner)  # a slow leader, not a dead one
             try:
                 outcome = await averager.run_round(delta, float(tokens), candidates, set(candidates), gather)
             except (SwarmtrainError, OSError) as exc:  # a round that broke must not take the node down
