@@ -231,7 +231,6 @@ class AllReduce:
         except Rejected as exc:
             # Left out of this round entirely: nobody waits for its parts, results or report any more.
             self.bad_senders.add(sender)
-            box.complete.clear()
             self.liveness.mark_dead(sender, f"sent a bad payload ({exc})")
             raise
 
@@ -328,7 +327,7 @@ class AllReduce:
         added to the same coordinates next round instead of being lost."""
         if self.residual is None:
             return self.codec_up.encode(self.delta[start:end])
-        state = CodecState(residual=self.residual[start:end].clone())
+        state = CodecState(residual=self.residual[start:end])  # encode rebinds it, never writes into it
         payload = self.codec_up.encode(self.delta[start:end], state)
         assert state.residual is not None
         self.residual[start:end] = state.residual

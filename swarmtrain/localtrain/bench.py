@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from swarmtrain.config import Config
-from swarmtrain.localtrain.config import ASYNC_METHODS, LocalTrainConfig, split_threads, total_threads
+from swarmtrain.localtrain.config import ASYNC_METHODS, LocalTrainConfig, split_threads, thread_env, total_threads
 from swarmtrain.localtrain.pss import PssSampler
 from swarmtrain.localtrain.shm import new_prefix, sweep
 from swarmtrain.localtrain.stats import PairedGap, geomean_ratio, paired_gap
@@ -137,20 +137,6 @@ def _run_job(
         conn.close()
 
 
-@contextlib.contextmanager
-def _env(values: dict[str, str]) -> Any:
-    saved = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
-
-
 def run_one(spec: BenchSpec, method: str, seed: int) -> RunResult:
     """Spawn one run, sample its tree's PSS until it ends, and unlink anything it left in /dev/shm."""
     config = spec.config.model_copy(deep=True)
@@ -163,7 +149,7 @@ def run_one(spec: BenchSpec, method: str, seed: int) -> RunResult:
     receiver, sender = context.Pipe(duplex=False)
     prefix = new_prefix()
     args = (config.model_dump(), lt.model_dump(), spec.steps, spec.timing_skip, prefix, sender, os.getpid())
-    with _env({"OMP_NUM_THREADS": str(own_threads), "MKL_NUM_THREADS": str(own_threads)}):
+    with thread_env(own_threads):
         proc = context.Process(target=_run_job, args=args, name=f"bench-{method}-{seed}")
         proc.start()
     sender.close()

@@ -6,11 +6,12 @@ Keys are set with ``--set localtrain.ring_depth=4``, ``SWARMTRAIN_LOCALTRAIN__RI
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import json
 import os
 import tomllib
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, Literal
 
@@ -60,6 +61,25 @@ def available_cores() -> list[int]:
     if hasattr(os, "sched_getaffinity"):
         return sorted(os.sched_getaffinity(0))
     return list(range(os.cpu_count() or 1))
+
+
+_THREAD_ENV = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
+
+
+@contextlib.contextmanager
+def thread_env(threads: int) -> Iterator[None]:
+    """Children started inside see their thread count in the environment from the start (before torch
+    creates its pools)."""
+    saved = {k: os.environ.get(k) for k in _THREAD_ENV}
+    os.environ.update({k: str(threads) for k in _THREAD_ENV})
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 
 
 def total_threads(lt: LocalTrainConfig) -> int:

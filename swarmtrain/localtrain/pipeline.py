@@ -21,14 +21,13 @@ import logging
 import multiprocessing as mp
 import os
 import time
-from collections.abc import Iterator
 
 import numpy as np
 import torch
 
 from swarmtrain.config import Config
 from swarmtrain.data import Corpus, train_batch
-from swarmtrain.localtrain.config import ASYNC_METHODS, LocalTrainConfig, split_threads, stage_cores
+from swarmtrain.localtrain.config import ASYNC_METHODS, LocalTrainConfig, split_threads, stage_cores, thread_env
 from swarmtrain.localtrain.control import Command, Control, StageState, Stat
 from swarmtrain.localtrain.errors import LocalTrainError, StageFailed
 from swarmtrain.localtrain.rgc import ReadoutConsensus
@@ -41,24 +40,8 @@ from swarmtrain.model import VOCAB, ByteTransformer
 
 log = logging.getLogger(__name__)
 
-_THREAD_ENV = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
 JOIN_TIMEOUT = 30.0
 LOG_EVERY = 50
-
-
-@contextlib.contextmanager
-def _thread_env(threads: int) -> Iterator[None]:
-    """Children see their thread count in the environment from the start (before torch creates its pools)."""
-    saved = {k: os.environ.get(k) for k in _THREAD_ENV}
-    os.environ.update({k: str(threads) for k in _THREAD_ENV})
-    try:
-        yield
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
 
 
 class PipelineEngine:
@@ -143,7 +126,7 @@ class PipelineEngine:
                 readout_shape=readout_shape,
                 params=self._param_shms[i].name,
             )
-            with _thread_env(self.threads[i]):
+            with thread_env(self.threads[i]):
                 proc = context.Process(target=stage_main, args=(spec,), name=f"localtrain-stage{i}", daemon=True)
                 proc.start()
             self.procs.append(proc)

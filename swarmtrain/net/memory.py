@@ -18,7 +18,7 @@ from swarmtrain.net.rpc import (
     RemoteError,
     RpcTimeout,
     StreamHandler,
-    UnaryCalls,
+    Transport,
     pack_header,
     run_handler,
     unpack_header,
@@ -40,7 +40,7 @@ class MemoryNetwork:
         self.dead.add(peer_id)
 
 
-class MemoryTransport(UnaryCalls):
+class MemoryTransport(Transport):
     def __init__(self, network: MemoryNetwork, peer_id: str) -> None:
         self.network = network
         self.peer_id = peer_id

@@ -15,9 +15,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import msgpack
 from hivemind.p2p import P2P, PeerID
@@ -72,14 +73,13 @@ class ByteCounter:
     received: int = 0
 
 
-class Transport(Protocol):
+class Transport(ABC):
+    """What the protocol code sees: streamed calls and handlers; the one-frame forms are built on them."""
+
     peer_id: str
     counter: ByteCounter
 
-    async def call(
-        self, peer: str, method: str, header: dict[str, Any], body: bytes = b"", *, timeout: float
-    ) -> tuple[dict[str, Any], bytes]: ...
-
+    @abstractmethod
     async def call_stream(
         self,
         peer: str,
@@ -89,11 +89,20 @@ class Transport(Protocol):
         *,
         count: int,
         timeout: float,
-    ) -> tuple[dict[str, Any], bytes]: ...
+    ) -> tuple[dict[str, Any], bytes]:
+        """Send ``count`` frames after the header on one stream and return the answer."""
 
-    async def serve(self, method: str, handler: Handler, *, max_body: int) -> None: ...
+    @abstractmethod
+    async def serve_stream(self, method: str, handler: StreamHandler, *, max_body: int, max_frames: int) -> None:
+        """Answer calls to ``method``; each call's frames reach ``handler`` as they arrive."""
 
-    async def serve_stream(self, method: str, handler: StreamHandler, *, max_body: int, max_frames: int) -> None: ...
+    async def call(
+        self, peer: str, method: str, header: dict[str, Any], body: bytes = b"", *, timeout: float
+    ) -> tuple[dict[str, Any], bytes]:
+        return await self.call_stream(peer, method, header, single(body), count=1, timeout=timeout)
+
+    async def serve(self, method: str, handler: Handler, *, max_body: int) -> None:
+        await self.serve_stream(method, unary(handler), max_body=max_body, max_frames=1)
 
 
 def pack_header(header: dict[str, Any]) -> bytes:
@@ -146,34 +155,7 @@ async def run_handler(
         return {"error": "internal error"}, b""
 
 
-class UnaryCalls:
-    """``call`` and ``serve`` (one frame each way) in terms of a transport's streamed forms."""
-
-    async def call_stream(
-        self,
-        peer: str,
-        method: str,
-        header: dict[str, Any],
-        frames: AsyncIterator[bytes],
-        *,
-        count: int,
-        timeout: float,
-    ) -> tuple[dict[str, Any], bytes]:
-        raise NotImplementedError
-
-    async def serve_stream(self, method: str, handler: StreamHandler, *, max_body: int, max_frames: int) -> None:
-        raise NotImplementedError
-
-    async def call(
-        self, peer: str, method: str, header: dict[str, Any], body: bytes = b"", *, timeout: float
-    ) -> tuple[dict[str, Any], bytes]:
-        return await self.call_stream(peer, method, header, single(body), count=1, timeout=timeout)
-
-    async def serve(self, method: str, handler: Handler, *, max_body: int) -> None:
-        await self.serve_stream(method, unary(handler), max_body=max_body, max_frames=1)
-
-
-class P2PTransport(UnaryCalls):
+class P2PTransport(Transport):
     """``Transport`` over a running ``hivemind.p2p.P2P`` daemon."""
 
     def __init__(self, p2p: P2P, max_response: int = 1 << 31) -> None:
