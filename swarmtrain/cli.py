@@ -110,20 +110,23 @@ def _addrs(join: tuple[str, ...], host: tuple[str, ...], announce: tuple[str, ..
 @swarm_options
 @click.option("--rounds", type=int, help="Stop after this many outer rounds (node.rounds).")
 @click.option("--max-time", type=float, help="Stop after this many seconds (train.max_time).")
+@click.option("--resume", is_flag=True, help="Continue this node from the latest checkpoint in the run directory.")
 def node(
     config_path: str | None, overrides: tuple[str, ...], data: str | None, run_dir: str | None,
     join: tuple[str, ...], host: tuple[str, ...], announce: tuple[str, ...], rounds: int | None,
-    max_time: float | None,
+    max_time: float | None, resume: bool,
 ) -> None:  # fmt: skip
     """Run one swarm node: train H inner steps, average with peers, repeat.
 
     Without --join it starts a new swarm and prints the line other machines use to join it.
-    Ctrl+C leaves gracefully (checkpoint written); a second Ctrl+C exits at once.
+    Ctrl+C leaves gracefully (checkpoint written); a second Ctrl+C exits at once. --resume continues from the
+    run directory's latest checkpoint (theta_g, outer and inner optimizer state, round), then catches up with
+    the swarm if it moved on.
     """
     from swarmtrain.node.commands import run_node
 
     flags = {"data.path": data, "run_dir": run_dir, "node.rounds": rounds, "train.max_time": max_time}
-    run_node(resolve(config_path, overrides, **flags, **_addrs(join, host, announce)))
+    run_node(resolve(config_path, overrides, **flags, **_addrs(join, host, announce)), resume=resume)
 
 
 @cli.command()

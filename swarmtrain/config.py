@@ -14,7 +14,7 @@ import os
 import tomllib
 from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
@@ -98,6 +98,32 @@ class TrainConfig(_Section):
     """Seed for initialisation and data windows; the same seed gives the same run."""
     threads: int = Field(0, ge=0)
     """torch threads for compute; 0 means all cores."""
+    trainer: Literal["standard", "localtrain"] = "standard"
+    """Inner trainer of `swarmtrain node`: standard (global backprop) or localtrain (set up by localtrain.*)."""
+
+
+LocalTrainMethod = Literal["global-bp", "live-local", "broadcast-serial", "broadcast-async", "rgc-serial", "rgc-async"]
+
+
+class LocalTrainConfig(_Section):
+    method: LocalTrainMethod = "rgc-async"
+    """How the stages share the readout: global-bp, live-local, broadcast-serial/-async or rgc-serial/-async."""
+    stages: int = Field(2, ge=1, le=64)
+    """Stages the model's blocks are cut into (one process each for the async methods)."""
+    threads: int = Field(0, ge=0)
+    """Total torch threads over all stages (global backprop gets all of them); 0 means all cores."""
+    stage_threads: list[int] = Field(default_factory=list)
+    """Threads per stage, first to last; empty splits localtrain.threads evenly (the remainder to early stages)."""
+    pin_cores: bool = False
+    """Pin each stage process to its own cores (off by default: on a shared machine pinning can hurt)."""
+    ring_depth: int = Field(2, ge=1, le=64)
+    """Slots per ring; also the most readout versions an upstream stage may lag behind (per stage of distance)."""
+    serial_lag: int = Field(1, ge=0)
+    """Readout-snapshot lag in steps for broadcast-serial and rgc-serial (0 makes rgc-serial equal live-local)."""
+    wait_timeout: float = Field(120.0, gt=0.0)
+    """Seconds any wait on a ring, snapshot or stage may last before the run fails."""
+    start_timeout: float = Field(180.0, gt=0.0)
+    """Seconds the stage processes may take to start (import torch, build their part of the model)."""
 
 
 class NodeConfig(_Section):
@@ -161,11 +187,13 @@ class AveragingConfig(_Section):
     outer_momentum: float = Field(0.9, ge=0.0, lt=1.0)
     """Nesterov momentum of the outer optimizer (0 disables it)."""
     codec: str = "fp16"
-    """Codec of the payloads sent to reducers: fp32, fp16, bf16, int8, int4, 2bit, topk:frac=0.01, ... (one spec)."""
+    """Codec of each node's update: fp32, fp16, bf16, int8, int4, 2bit (butterfly all-reduce), or topk,
+    dct-topk, powersgd (all-gathered whole, averaged exactly); one spec such as 'topk:frac=0.005,value=int8'."""
     error_feedback: bool = True
     """Keep what a lossy uplink codec drops and add it to the next round's update (sender-side residual)."""
     codec_down: str = ""
-    """Codec of the averaged shards reducers send back; empty means the same as averaging.codec."""
+    """Codec of the averaged shards reducers send back in the butterfly; empty means the same as averaging.codec.
+    Unused with sparse and low-rank codecs, whose payloads are never re-compressed."""
     part_numel: int = Field(1 << 20, ge=1024)
     """Elements per streamed part of a shard."""
     min_deadline_s: float = Field(10.0, gt=0.0)
@@ -192,6 +220,17 @@ class Config(_Section):
     """Swarm node: addresses, identity, rounds."""
     averaging: AveragingConfig = Field(default_factory=AveragingConfig)
     """Outer step: groups, outer optimizer, codecs, deadlines."""
+    localtrain: LocalTrainConfig = Field(default_factory=LocalTrainConfig)
+    """Local training in stages on this machine's cores (`swarmtrain localtrain bench`, train.trainer)."""
+
+    @model_validator(mode="after")
+    def _check_trainer(self) -> Config:
+        if self.train.trainer == "localtrain":
+            # Imported here: swarmtrain.localtrain.config imports this module.
+            from swarmtrain.localtrain.config import check_node_config
+
+            check_node_config(self)
+        return self
 
 
 def parse_value(text: str) -> Any:

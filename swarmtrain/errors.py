@@ -19,3 +19,7 @@ class DataError(SwarmtrainError):
 
 class CheckpointError(SwarmtrainError):
     """A checkpoint cannot be used: unreadable, or written for a different model."""
+
+
+class IncompatibleSwarm(SwarmtrainError):
+    """The swarm this node joined trains another model shape or runs another protocol version."""

@@ -34,10 +34,13 @@ class Swarm:
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
         self.daemons: dict[int, str] = {}  # p2pd children of our nodes: reaped too if a node was killed
 
-    def start(self, name: str, rounds: int, join: str | None = None, extra: list[str] = ()) -> subprocess.Popen[bytes]:
+    def start(
+        self, name: str, rounds: int, join: str | None = None, extra: list[str] = (), flags: list[str] = ()
+    ) -> subprocess.Popen[bytes]:
         run_dir = self.root / name
         run_dir.mkdir(parents=True, exist_ok=True)
         args = [sys.executable, "-m", "swarmtrain", "node", "--run-dir", str(run_dir), "--rounds", str(rounds)]
+        args += flags
         args += ["--data", str(self.data), "--set", f"data.cache_dir={self.root / 'cache'}"]
         for item in [*self.settings, *extra]:
             args += ["--set", item]

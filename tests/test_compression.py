@@ -119,14 +119,14 @@ def test_topk_keeps_exactly_the_largest_magnitudes(x: torch.Tensor, frac: float)
 
 
 @FAST
-@given(x=vectors(), value=st.sampled_from(["fp16", "bf16", "int8"]), frac=st.sampled_from([0.01, 0.2]))
+@given(x=vectors(), value=st.sampled_from(["fp16", "bf16", "int8", "int4", "2bit"]), frac=st.sampled_from([0.01, 0.2]))
 def test_topk_values_are_stored_within_their_encodings_bound(x: torch.Tensor, value: str, frac: float) -> None:
     exact = roundtrip(f"topk:frac={frac},value=fp32", x)
     y = roundtrip(f"topk:frac={frac},value={value},block=16", x)
     assert bool((y[exact == 0] == 0).all())
     kept = exact.nonzero().reshape(-1)
-    if value == "int8":
-        tolerance = block_tolerance(exact[kept], 16, 255)
+    if value in QUANT_LEVELS:
+        tolerance = block_tolerance(exact[kept], 16, QUANT_LEVELS[value])
     else:
         tolerance = float_tolerance(exact[kept], value)
     assert bool(((y[kept].double() - exact[kept].double()).abs() <= tolerance).all())
@@ -228,6 +228,7 @@ def test_powersgd_warm_start_improves_over_rounds() -> None:
         ("2bit", 100_000, 0.3125, 0.3128),
         ("topk:frac=0.01", 100_000, 0.028, 0.032),
         ("topk:frac=0.01,value=int8", 100_000, 0.019, 0.022),
+        ("topk:frac=0.01,value=2bit", 100_000, 0.0140, 0.0143),
         ("dct-topk", 100_000, 0.0429, 0.0433),
         ("dct-topk:value=int8", 100_000, 0.0283, 0.0287),
         ("powersgd:rank=4", 10_000_000, 0.0101, 0.01013),
@@ -267,7 +268,7 @@ def test_spec_round_trips_through_get_codec(spec: str) -> None:
         ("int8:block=8,block=9", "given twice"),
         ("topk:frac=2", "must be in (0, 1]"),
         ("topk:frac=0.1,k=5", "frac or k, not both"),
-        ("topk:value=int3", "must be one of fp32, fp16, bf16, int8"),
+        ("topk:value=int3", "must be one of fp32, fp16, bf16, int8, int4, 2bit"),
         ("powersgd:shape=12", "ROWSxCOLS"),
         ("dct-topk:chunk=4096", "must be in [1, 1024]"),
     ],

@@ -18,7 +18,13 @@ from swarmtrain.compression.bits import elias_fano_decode, elias_fano_encode, el
 from swarmtrain.compression.wire import LAYOUTS, MAGIC, pack_header
 
 FAST = settings(max_examples=40, deadline=None)
-SPECS = (*CODEC_NAMES, "topk:frac=0.2,value=int8", "dct-topk:chunk=12,k=3,value=int8", "powersgd:rank=2,value=bf16")
+SPECS = (
+    *CODEC_NAMES,
+    "topk:frac=0.2,value=int8",
+    "topk:frac=0.2,value=2bit",
+    "dct-topk:chunk=12,k=3,value=int4",
+    "powersgd:rank=2,value=bf16",
+)
 NUMEL = 40
 
 

@@ -62,3 +62,32 @@ def _flat(tree: dict, prefix: str = ""):
             yield from _flat(value, f"{prefix}{key}.")
         else:
             yield f"{prefix}{key}", value
+
+
+@pytest.mark.parametrize(
+    ("overrides", "needle"),
+    [
+        ([], "set model.exits = [2] on every node of the swarm"),
+        (["localtrain.stages=3"], "set model.exits = [2, 3] on every node"),
+        (["localtrain.stages=5", "model.exits=[1, 2, 3]"], "localtrain.stages (5) must lie between 1 and model.depth"),
+        (["localtrain.stages=1"], "needs localtrain.stages >= 2"),
+        (["model.exits=[2]", "localtrain.stage_threads=[1]"], "localtrain.stage_threads [1] must hold"),
+        (["model.exits=[2]", "localtrain.method=rgc-sync"], "localtrain.method = 'rgc-sync' is invalid"),
+        (["model.exits=[2]", "localtrain.stagez=2"], "Did you mean localtrain.stages?"),
+    ],
+)
+def test_localtrain_node_settings_are_checked(overrides: list[str], needle: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config(overrides=["train.trainer=localtrain", *overrides], environ={})
+    assert needle in str(info.value)
+
+
+def test_localtrain_section_is_part_of_every_config(tmp_path: Path) -> None:
+    path = tmp_path / "run.toml"
+    path.write_text('[train]\ntrainer = "localtrain"\n[model]\nexits = [2, 3]\n[localtrain]\nmethod = "rgc-serial"\n')
+    config = load_config(path, environ={"SWARMTRAIN_LOCALTRAIN__STAGES": "3"})
+    lt = config.localtrain
+    assert (config.train.trainer, lt.method, lt.stages) == ("localtrain", "rgc-serial", 3)
+    assert "train.trainer" in known_keys() and "localtrain.stage_threads" in known_keys()
+    global_bp = load_config(overrides=["localtrain.method=global-bp", "train.trainer=localtrain"], environ={})
+    assert global_bp.model.exits == []  # global backprop has no stages, so no exits to agree on

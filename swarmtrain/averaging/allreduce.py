@@ -40,6 +40,8 @@ PING_INTERVAL = 0.5
 # peer cannot push every replica's theta_g to inf through the outer optimizer.
 MAX_ABS_VALUE = 1e4
 PING_TIMEOUT = 1.5
+SMALL_ATTEMPTS = 3  # tries of a report or digest over streams that break (a live peer waits for it otherwise)
+RETRY_PAUSE = 0.2
 
 
 class Liveness:
@@ -129,7 +131,154 @@ class AllReduceResult:
         return all(self.applied) and not self.excluded
 
 
-class AllReduce:
+class GroupExchange:
+    """What every way of averaging a group's updates shares: membership checks, liveness, the report
+    exchange that decides which contributions every member applies, and the digest exchange.
+
+    Subclasses move the payloads (``on_parts``/``on_results`` receive streams) and implement ``run``.
+    """
+
+    def __init__(
+        self,
+        group: Group,
+        me: str,
+        transport: Transport,
+        *,
+        header: dict[str, Any],
+        deadline: float,
+        on_part_sent: Callable[[int], None] | None = None,
+        tag: str = "",
+    ) -> None:
+        self.group, self.me, self.transport = group, me, transport
+        self.index = group.index(me)
+        self.route = group.group_id + tag
+        self.header = {**header, "group": self.route}
+        loop_now = asyncio.get_running_loop().time()
+        span = max(deadline - loop_now, 0.0)
+        self.scatter_deadline = loop_now + 0.5 * span
+        self.transfer_deadline = loop_now + 0.75 * span
+        self.report_deadline = loop_now + 0.88 * span
+        self.deadline = deadline
+        self.liveness = Liveness(transport, self.header)
+        self.closed = False  # after the transfer, late payloads must not be stored
+        self.bad_senders: set[str] = set()
+        self.reports: dict[str, list[str | None]] = {}
+        self.reports_in = {p: asyncio.Event() for p in group.members}
+        self.digests: dict[str, str] = {}
+        self.digests_in = {p: asyncio.Event() for p in group.members}
+        self.on_part_sent = on_part_sent
+        self.parts_sent = 0
+
+    def _check_member(self, sender: str) -> int:
+        if sender not in self.group.members:
+            raise Rejected(f"{sender[-8:]} is not a member of group {self.group.group_id}")
+        return self.group.index(sender)
+
+    def _part_sent(self) -> None:
+        self.parts_sent += 1
+        if self.on_part_sent is not None:
+            self.on_part_sent(self.parts_sent)
+
+    async def on_parts(self, sender: str, header: dict[str, Any], frames: AsyncIterator[bytes]) -> None:
+        raise Rejected("this round takes no parts")
+
+    async def on_results(self, sender: str, header: dict[str, Any], frames: AsyncIterator[bytes]) -> None:
+        raise Rejected("this round takes no results")
+
+    async def run(self) -> AllReduceResult:
+        raise NotImplementedError
+
+    def on_report(self, sender: str, header: dict[str, Any]) -> None:
+        self._check_member(sender)
+        hashes = header.get("hashes")
+        if not isinstance(hashes, list) or len(hashes) != self.group.size:
+            raise Rejected("report must list one hash per member")
+        if not all(h is None or isinstance(h, str) for h in hashes):
+            raise Rejected("report hashes must be strings or nil")
+        self.reports[sender] = hashes
+        self.reports_in[sender].set()
+
+    def on_digest(self, sender: str, header: dict[str, Any]) -> None:
+        self._check_member(sender)
+        digest = header.get("digest")
+        if not isinstance(digest, str) or len(digest) > 64:
+            raise Rejected("digest must be a short string")
+        self.digests[sender] = digest
+        self.digests_in[sender].set()
+
+    async def _agree(self, hashes: list[str | None]) -> list[bool]:
+        """Exchange reports of what I hold (one hash or None per member's slot) and return, per slot, whether
+        every report in hand holds it with the same hash: only those slots are applied, by every member."""
+        await self._exchange("report", {"hashes": hashes}, self.reports_in, self.report_deadline)
+        self.reports[self.me] = hashes
+        return [
+            hashes[j] is not None and all(rep[j] == hashes[j] for rep in self.reports.values())
+            for j in range(self.group.size)
+        ]
+
+    async def _stream(
+        self, peer: str, method: str, header: dict[str, Any], frames: AsyncIterator[bytes], count: int, deadline: float
+    ) -> bool:
+        """Stream ``count`` frames to ``peer`` on one stream; on a dead peer mark it and return False."""
+        timeout = deadline - asyncio.get_running_loop().time()
+        try:
+            await self.transport.call_stream(peer, method, header, frames, count=count, timeout=max(timeout, 0.01))
+            return True
+        except (PeerUnreachable, RpcTimeout) as exc:
+            self.liveness.mark_dead(peer, str(exc))
+        except RemoteError as exc:
+            self._refused(peer, exc)
+        return False
+
+    async def _exchange(
+        self, method: str, payload: dict[str, Any], inbox: dict[str, asyncio.Event], deadline: float
+    ) -> None:
+        others = [p for p in self.group.members if p != self.me and p not in self.liveness.dead]
+        header = {**self.header, **payload}
+        await asyncio.gather(*(self._send_small(p, method, header, deadline) for p in others))
+        for peer in others:
+            await wait_or_dead(inbox[peer], self.liveness.watch(peer), deadline)
+
+    async def _send_small(self, peer: str, method: str, header: dict[str, Any], deadline: float) -> None:
+        """Send a report or digest; a broken stream is retried (the peer would otherwise wait for it until the
+        deadline), a peer that still cannot be reached is marked dead."""
+        loop = asyncio.get_running_loop()
+        for attempt in range(SMALL_ATTEMPTS):
+            try:
+                await self.transport.call(peer, method, header, timeout=max(deadline - loop.time(), 0.01))
+                return
+            except PeerUnreachable as exc:
+                if attempt + 1 == SMALL_ATTEMPTS or deadline - loop.time() < 2 * RETRY_PAUSE:
+                    self.liveness.mark_dead(peer, str(exc))
+                    return
+                await asyncio.sleep(RETRY_PAUSE)
+            except RpcTimeout as exc:
+                self.liveness.mark_dead(peer, str(exc))
+                return
+            except RemoteError as exc:
+                self._refused(peer, exc)
+                return
+
+    def _refused(self, peer: str, exc: RemoteError) -> None:
+        log.warning("%s", exc)
+        if exc.code == "no-group":  # it never heard of this group (it gave up joining): do not wait for it
+            self.liveness.mark_dead(peer, "not in this group")
+
+    async def exchange_digests(self, digest: str) -> str:
+        """Send my state digest to the group and return the digest most members hold (ties: the smallest)."""
+        self.digests[self.me] = digest
+        try:
+            await self._exchange("digest", {"digest": digest}, self.digests_in, self.deadline)
+        finally:
+            self.liveness.close()
+        counts = Counter(self.digests.values())
+        best = max(counts.values())
+        return min(d for d, c in counts.items() if c == best)
+
+
+class AllReduce(GroupExchange):
+    """Dense payloads (fp32 ... 2-bit): a butterfly reduce-scatter and all-gather of shards."""
+
     def __init__(
         self,
         group: Group,
@@ -147,48 +296,25 @@ class AllReduce:
         scratch: Callable[[str, int], torch.Tensor] | None = None,
         residual: torch.Tensor | None = None,
     ) -> None:
-        self.group, self.me, self.transport = group, me, transport
+        super().__init__(group, me, transport, header=header, deadline=deadline, on_part_sent=on_part_sent, tag=tag)
         self.delta = delta
-        self.index = group.index(me)
         self.bounds = group.shard_bounds(delta.numel())
-        self.route = group.group_id + tag
-        self.header = {**header, "group": self.route}
         self.codec_up, self.codec_down = codec_up, codec_down
         self.part_numel = max(1, part_numel)
-        loop_now = asyncio.get_running_loop().time()
-        span = max(deadline - loop_now, 0.0)
-        self.scatter_deadline = loop_now + 0.5 * span
-        self.transfer_deadline = loop_now + 0.75 * span
-        self.report_deadline = loop_now + 0.88 * span
-        self.deadline = deadline
-        self.liveness = Liveness(transport, self.header)
         # Big buffers come from the averager's scratch pool when it has one: fresh multi-MB allocations
         # page-fault on every round, which cost more than the arithmetic on them.
         alloc = scratch or (lambda name, numel: torch.zeros(numel))
         start, end = self.bounds[self.index]
         self.inbox = {p: _Inbox(alloc(f"{tag}inbox{i}", end - start)) for i, p in enumerate(group.members)}
-        self.closed = False  # after the transfer, late parts must not write into (reused) buffers
-        self.bad_senders: set[str] = set()
         self.reduced_parts: set[int] = set()
         self.average = alloc(f"{tag}average", delta.numel())  # results land in place: no concatenation
         self.results = [_Inbox(self.average[s:e]) for s, e in self.bounds]
-        self.reports: dict[str, list[str | None]] = {}
-        self.reports_in = {p: asyncio.Event() for p in group.members}
-        self.digests: dict[str, str] = {}
-        self.digests_in = {p: asyncio.Event() for p in group.members}
-        self.on_part_sent = on_part_sent
-        self.parts_sent = 0
         self.residual = residual  # sender-side error feedback, the full length of ``delta``; kept by the caller
 
     # ---- helpers ----------------------------------------------------------------------------------------
 
     def _parts(self, length: int) -> list[tuple[int, int]]:
         return [(s, min(s + self.part_numel, length)) for s in range(0, max(length, 1), self.part_numel)]
-
-    def _check_member(self, sender: str) -> int:
-        if sender not in self.group.members:
-            raise Rejected(f"{sender[-8:]} is not a member of group {self.group.group_id}")
-        return self.group.index(sender)
 
     def _decode(self, codec: Codec, body: bytes, numel: int, what: str) -> torch.Tensor:
         try:
@@ -262,39 +388,7 @@ class AllReduce:
             self.on_result(sender, {**header, "part": part}, body)
             part += 1
 
-    def on_report(self, sender: str, header: dict[str, Any]) -> None:
-        self._check_member(sender)
-        hashes = header.get("hashes")
-        if not isinstance(hashes, list) or len(hashes) != self.group.size:
-            raise Rejected("report must list one hash per shard")
-        if not all(h is None or isinstance(h, str) for h in hashes):
-            raise Rejected("report hashes must be strings or nil")
-        self.reports[sender] = hashes
-        self.reports_in[sender].set()
-
-    def on_digest(self, sender: str, header: dict[str, Any]) -> None:
-        self._check_member(sender)
-        digest = header.get("digest")
-        if not isinstance(digest, str) or len(digest) > 64:
-            raise Rejected("digest must be a short string")
-        self.digests[sender] = digest
-        self.digests_in[sender].set()
-
     # ---- the protocol -------------------------------------------------------------------------------------
-
-    async def _stream(
-        self, peer: str, method: str, header: dict[str, Any], frames: AsyncIterator[bytes], count: int, deadline: float
-    ) -> bool:
-        """Stream ``count`` frames to ``peer`` on one stream; on a dead peer mark it and return False."""
-        timeout = deadline - asyncio.get_running_loop().time()
-        try:
-            await self.transport.call_stream(peer, method, header, frames, count=count, timeout=max(timeout, 0.01))
-            return True
-        except (PeerUnreachable, RpcTimeout) as exc:
-            self.liveness.mark_dead(peer, str(exc))
-        except RemoteError as exc:
-            self._refused(peer, exc)
-        return False
 
     def _deliver_locally(self, method: str, header: dict[str, Any], part: int, body: bytes) -> None:
         try:
@@ -332,11 +426,6 @@ class AllReduce:
         assert state.residual is not None
         self.residual[start:end] = state.residual
         return payload
-
-    def _part_sent(self) -> None:
-        self.parts_sent += 1
-        if self.on_part_sent is not None:
-            self.on_part_sent(self.parts_sent)
 
     async def _reduce_and_broadcast(self) -> None:
         """Reduce my shard part by part, streaming each averaged part as soon as its contributions are in.
@@ -400,12 +489,7 @@ class AllReduce:
             self.closed = True
             transferred = loop.time()
             hashes = [tensor_hash(r.buffer) if r.complete.is_set() else None for r in self.results]
-            await self._exchange("report", {"hashes": hashes}, self.reports_in, self.report_deadline)
-            self.reports[self.me] = hashes
-            applied = [
-                hashes[j] is not None and all(rep[j] == hashes[j] for rep in self.reports.values())
-                for j in range(self.group.size)
-            ]
+            applied = await self._agree(hashes)
             for result, ok in zip(self.results, applied, strict=True):
                 if not ok:
                     result.buffer.zero_()  # the same fallback on every member: no update for this shard
@@ -420,37 +504,3 @@ class AllReduce:
     async def _gather(self) -> None:
         for j, peer in enumerate(self.group.members):
             await wait_or_dead(self.results[j].complete, self.liveness.watch(peer), self.transfer_deadline)
-
-    async def _exchange(
-        self, method: str, payload: dict[str, Any], inbox: dict[str, asyncio.Event], deadline: float
-    ) -> None:
-        others = [p for p in self.group.members if p != self.me and p not in self.liveness.dead]
-        header = {**self.header, **payload}
-        await asyncio.gather(*(self._send_small(p, method, header, deadline) for p in others))
-        for peer in others:
-            await wait_or_dead(inbox[peer], self.liveness.watch(peer), deadline)
-
-    async def _send_small(self, peer: str, method: str, header: dict[str, Any], deadline: float) -> None:
-        timeout = deadline - asyncio.get_running_loop().time()
-        try:
-            await self.transport.call(peer, method, header, timeout=max(timeout, 0.01))
-        except (PeerUnreachable, RpcTimeout) as exc:
-            self.liveness.mark_dead(peer, str(exc))
-        except RemoteError as exc:
-            self._refused(peer, exc)
-
-    def _refused(self, peer: str, exc: RemoteError) -> None:
-        log.warning("%s", exc)
-        if exc.code == "no-group":  # it never heard of this group (it gave up joining): do not wait for it
-            self.liveness.mark_dead(peer, "not in this group")
-
-    async def exchange_digests(self, digest: str) -> str:
-        """Send my state digest to the group and return the digest most members hold (ties: the smallest)."""
-        self.digests[self.me] = digest
-        try:
-            await self._exchange("digest", {"digest": digest}, self.digests_in, self.deadline)
-        finally:
-            self.liveness.close()
-        counts = Counter(self.digests.values())
-        best = max(counts.values())
-        return min(d for d, c in counts.items() if c == best)

@@ -17,19 +17,19 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from safetensors.torch import load as load_safetensors
-from safetensors.torch import save as save_safetensors
 
-from swarmtrain.averaging.allreduce import AllReduce, AllReduceResult
+from swarmtrain.averaging.allgather import AllGather, plan_segments
+from swarmtrain.averaging.allreduce import AllReduce, AllReduceResult, GroupExchange
 from swarmtrain.averaging.group import Group
 from swarmtrain.averaging.matchmaking import Matchmaker
-from swarmtrain.averaging.outer import OuterOptimizer, state_digest
-from swarmtrain.compression import Codec, all_finite, get_codec
-from swarmtrain.net import Handler, PeerUnreachable, Rejected, RemoteError, RpcTimeout, StreamHandler, Transport
+from swarmtrain.averaging.outer import OuterOptimizer
+from swarmtrain.averaging.statesync import CHUNK_BYTES, SnapshotStore, download_state
+from swarmtrain.compression import BaseCodec, CodecState, all_finite, get_codec
+from swarmtrain.net import Handler, Rejected, StreamHandler, Transport
 
 log = logging.getLogger(__name__)
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 3  # 2: sparse and low-rank codecs are all-gathered whole; 3: state served in chunks
 _ROUTE_WAIT = 5.0  # a member may hear of its group a moment after a peer that already sends
 _SMALL = 1 << 16
 _MAX_ROUTES = 64
@@ -58,13 +58,14 @@ class Averager:
         group_size: int,
         outer_lr: float,
         outer_momentum: float,
-        codec_up: Codec,
-        codec_down: Codec,
+        codec_up: BaseCodec,
+        codec_down: BaseCodec,
         part_numel: int,
         min_deadline: float,
         deadline_factor: float,
         fail_at: str = "",
         error_feedback: bool = True,
+        shapes: list[tuple[int, ...]] | None = None,
     ) -> None:
         self.transport = transport
         self.me = transport.peer_id
@@ -74,7 +75,8 @@ class Averager:
         self.codec_up, self.codec_down = codec_up, codec_down
         self.part_numel = part_numel
         self.min_deadline, self.deadline_factor = min_deadline, deadline_factor
-        self.matchmaker = Matchmaker(transport, self.header, group_size)
+        # Joins carry the parameter count, so a leader refuses a peer training another model shape.
+        self.matchmaker = Matchmaker(transport, {**self.header, "numel": theta.numel()}, group_size)
         self.group_size = group_size
         self.round = 0
         self.needs_catch_up = False
@@ -82,12 +84,21 @@ class Averager:
         # Error feedback for lossy uplink codecs: what the codec dropped, re-sent with later rounds.
         lossless = codec_up.name == "fp32"
         self.residual = torch.zeros_like(theta) if error_feedback and not lossless else None
-        self._routes: dict[str, asyncio.Future[AllReduce]] = {}
+        # Sparse and low-rank codecs are all-gathered whole, segment by segment (``shapes``: the model's
+        # parameter shapes in flat order, so PowerSGD factors real weight matrices).
+        self.segments = plan_segments(codec_up, theta.numel(), shapes, part_numel) if codec_up.sparse else []
+        self.codec_states = [CodecState() for _ in self.segments]  # error feedback and warm starts, per segment
+        self._routes: dict[str, asyncio.Future[GroupExchange]] = {}
         self._durations: list[float] = []
         self.fail_at = tuple(int(kv.split("=")[1]) for kv in fail_at.split(",")) if fail_at else None
         fp32 = get_codec("fp32")  # gossip rounds mix theta_g losslessly
-        self.max_body = max(c.payload_size(part_numel) for c in (codec_up, codec_down, fp32)) + 1024
-        self.max_frames = -(-theta.numel() * 2 // part_numel) + 1  # parts of the largest shard (mixing doubles it)
+        largest = [c.payload_size(part_numel) for c in (codec_up, codec_down, fp32)]
+        largest += [seg.codec.payload_size(seg.numel) for seg in self.segments]
+        self.max_body = max(largest) + 1024
+        # Parts of the largest shard (mixing doubles it), or the segments of an all-gathered payload.
+        self.max_frames = max(-(-theta.numel() * 2 // part_numel), len(self.segments)) + 1
+        self.snapshots = SnapshotStore()  # the states this node serves to joiners (statesync)
+        self.state_chunk = CHUNK_BYTES  # chunk size of our own downloads
 
     @property
     def numel(self) -> int:
@@ -117,7 +128,7 @@ class Averager:
         if header.get("v") != PROTOCOL_VERSION:
             raise Rejected(f"protocol version {header.get('v')!r} is not {PROTOCOL_VERSION}")
 
-    def _route(self, group_id: Any) -> asyncio.Future[AllReduce]:
+    def _route(self, group_id: Any) -> asyncio.Future[GroupExchange]:
         if not isinstance(group_id, str) or len(group_id) > 32:
             raise Rejected("missing or malformed group id")
         if group_id not in self._routes:
@@ -129,7 +140,7 @@ class Averager:
             self._routes[group_id] = asyncio.get_running_loop().create_future()
         return self._routes[group_id]
 
-    async def _allreduce_for(self, header: dict[str, Any]) -> AllReduce:
+    async def _allreduce_for(self, header: dict[str, Any]) -> GroupExchange:
         self.check_header(header)
         group_id = header.get("group")
         route = self._route(group_id)
@@ -140,7 +151,7 @@ class Averager:
                 del self._routes[group_id]
             raise Rejected(f"no group {group_id} here", code="no-group") from None
 
-    def _routed(self, action: Callable[[AllReduce, str, dict[str, Any]], None]) -> Handler:
+    def _routed(self, action: Callable[[GroupExchange, str, dict[str, Any]], None]) -> Handler:
         async def handler(sender: str, header: dict[str, Any], body: bytes) -> tuple[dict[str, Any], bytes]:
             action(await self._allreduce_for(header), sender, header)
             return {}, b""
@@ -159,8 +170,12 @@ class Averager:
 
     async def _on_join(self, sender: str, header: dict[str, Any], body: bytes) -> tuple[dict[str, Any], bytes]:
         self.check_header(header)
-        if header.get("numel") not in (None, self.numel):
-            raise Rejected(f"model of {header.get('numel')} parameters, this swarm trains {self.numel}")
+        if header.get("numel") != self.numel:
+            raise Rejected(
+                f"a model of {header.get('numel')} parameters, but this swarm trains {self.numel}: every node needs "
+                "the same model settings (model.*, including model.exits)",
+                code="incompatible",
+            )
         return await self.matchmaker.on_join(sender, header, self.round), b""
 
     async def _on_ping(self, sender: str, header: dict[str, Any], body: bytes) -> tuple[dict[str, Any], bytes]:
@@ -169,51 +184,34 @@ class Averager:
 
     async def _on_state(self, sender: str, header: dict[str, Any], body: bytes) -> tuple[dict[str, Any], bytes]:
         self.check_header(header)
-        # Serialised without an await in between, so the bytes are one consistent state.
-        payload = save_safetensors({k: v.contiguous() for k, v in self.outer.state_tensors().items()})
-        return {"round": self.round, "digest": self.outer.digest()}, payload
+        # A probe serialises the live tensors before its first await: the bytes are one consistent state.
+        return await self.snapshots.answer(
+            header, lambda: (self.round, self.outer.digest(), self.outer.state_tensors())
+        )
 
     # ---- state transfer -----------------------------------------------------------------------------------
 
     async def fetch_state(
         self, peers: list[str], want_digest: str | None, max_round: int | None = None, timeout: float = 60.0
     ) -> bool:
-        """Download theta_g and the outer state from the first peer that has ``want_digest`` (any if None).
+        """Download theta_g and the outer state in chunks from the peers that serve ``want_digest`` (any if None).
 
-        The state is checked against the digest the peer claims (and ``want_digest``), its tensors against our
-        own names, shapes and dtypes; a peer claiming a round beyond ``max_round`` is skipped, so one peer
-        cannot drag our round number forward.
+        The state is checked chunk by chunk against its donors' manifest, then whole against our own names,
+        shapes and dtypes and against the digest; a peer claiming a round beyond ``max_round`` is skipped, so
+        one peer cannot drag our round number forward. See ``statesync``.
         """
-        for peer in peers:
-            if peer == self.me:
-                continue
-            try:
-                answer, payload = await self.transport.call(peer, "state", self.header, timeout=timeout)
-                round_ = answer.get("round")
-                if not isinstance(round_, int) or round_ < 0 or (max_round is not None and round_ > max_round):
-                    log.info("state from %s skipped: round %r", peer[-8:], round_)
-                    continue
-                if want_digest is not None and answer.get("digest") != want_digest:
-                    continue
-                tensors = load_safetensors(payload)
-                expected = self.outer.state_tensors()
-                if set(tensors) != set(expected) or any(
-                    tensors[k].shape != v.shape or tensors[k].dtype != v.dtype for k, v in expected.items()
-                ):
-                    log.warning("state from %s has the wrong tensors", peer[-8:])
-                    continue
-                if state_digest(tensors["theta"], tensors["momentum"]) != answer.get("digest"):
-                    log.warning("state from %s does not match its own digest", peer[-8:])
-                    continue
-                self.outer.load_state_tensors(tensors)
-                self.needs_catch_up = False
-                self.round = max(self.round, round_)
-                return True
-            except (PeerUnreachable, RpcTimeout, RemoteError) as exc:
-                log.info("state from %s failed: %s", peer[-8:], exc)
-            except Exception as exc:  # a malformed safetensors payload must not take the node down
-                log.warning("state from %s is malformed: %r", peer[-8:], exc)
-        return False
+        donors = [p for p in dict.fromkeys(peers) if p != self.me]
+        found = await download_state(
+            self.transport, self.header, donors, self.outer.state_tensors(), want_digest, max_round,
+            chunk=self.state_chunk, timeout=timeout,
+        )  # fmt: skip
+        if found is None:
+            return False
+        round_, _, tensors = found
+        self.outer.load_state_tensors(tensors)
+        self.needs_catch_up = False
+        self.round = max(self.round, round_)
+        return True
 
     def _fault_hook(self, round_: int) -> Callable[[int], None] | None:
         """The ``averaging.fail_at`` fault: SIGKILL this process after its P-th part of round R (tests only)."""
@@ -289,14 +287,18 @@ class Averager:
         outcome = "applied" if result.complete else "fallback"
         votes = sum(1 for d in allreduce.digests.values() if d == agreed)
         confirmed = votes * 2 > group.size and any(p != self.me for p, d in allreduce.digests.items() if d == agreed)
-        if digest != agreed or not confirmed:
-            # In the minority, or nobody confirmed my digest (the group left me out): resync from the group.
-            others = [p for p in group.members if p != self.me]
-            holders = (
-                [p for p, d in allreduce.digests.items() if d == agreed and p != self.me] if confirmed else others
-            )
+        if not confirmed:
+            # Nobody confirmed my digest (the group left me out, or I lost my links): I do not know the group's
+            # state, and a peer still inside the round would serve its state from before the step. Catch up
+            # before the next round from peers that announce a later round.
+            log.warning("round %d: no member confirmed my state digest; will catch up from the swarm", round_)
+            outcome = "diverged"
+            self.needs_catch_up = True
+        elif digest != agreed:
+            # In the minority: download the state the majority confirmed, verified against its digest.
+            holders = [p for p, d in allreduce.digests.items() if d == agreed and p != self.me]
             log.warning("round %d: my state digest is not the group's; resyncing", round_)
-            resynced = await self.fetch_state(holders, agreed if confirmed else None, max_round=round_ + 1)
+            resynced = await self.fetch_state(holders, agreed, max_round=round_ + 1)
             outcome = "diverged-resynced" if resynced else "diverged"
             self.needs_catch_up = not resynced
             digest = self.outer.digest()
@@ -312,16 +314,24 @@ class Averager:
         group: Group,
         vector: torch.Tensor,
         deadline: float,
-        codec: Codec | None = None,
+        codec: BaseCodec | None = None,
         tag: str = "",
         fault: Callable[[int], None] | None = None,
         residual: torch.Tensor | None = None,
-    ) -> AllReduce:
-        allreduce = AllReduce(
-            group, self.me, vector, self.transport, header=self.header, codec_up=codec or self.codec_up,
-            codec_down=codec or self.codec_down, part_numel=self.part_numel, deadline=deadline,
-            on_part_sent=fault, tag=tag, scratch=self._scratch, residual=residual,
-        )  # fmt: skip
+    ) -> GroupExchange:
+        allreduce: GroupExchange
+        if codec is None and self.codec_up.sparse:
+            allreduce = AllGather(
+                group, self.me, vector, self.transport, header=self.header, segments=self.segments,
+                deadline=deadline, states=self.codec_states if residual is not None else None, residual=residual,
+                on_part_sent=fault, tag=tag, scratch=self._scratch,
+            )  # fmt: skip
+        else:
+            allreduce = AllReduce(
+                group, self.me, vector, self.transport, header=self.header, codec_up=codec or self.codec_up,
+                codec_down=codec or self.codec_down, part_numel=self.part_numel, deadline=deadline,
+                on_part_sent=fault, tag=tag, scratch=self._scratch, residual=residual,
+            )  # fmt: skip
         route = self._route(allreduce.route)
         if not route.done():
             route.set_result(allreduce)
@@ -334,13 +344,13 @@ class Averager:
             buffer = self._buffers[name] = torch.zeros(numel)
         return buffer
 
-    async def _run(self, allreduce: AllReduce) -> AllReduceResult:
+    async def _run(self, allreduce: GroupExchange) -> AllReduceResult:
         try:
             return await allreduce.run()
         except BaseException:
             self._forget(allreduce)
             raise
 
-    def _forget(self, allreduce: AllReduce) -> None:
+    def _forget(self, allreduce: GroupExchange) -> None:
         """Drop the route after a grace period, so late messages are refused instead of waited on."""
         asyncio.get_running_loop().call_later(30, self._routes.pop, allreduce.route, None)

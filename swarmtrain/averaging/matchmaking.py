@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from swarmtrain.averaging.group import Group
+from swarmtrain.errors import IncompatibleSwarm
 from swarmtrain.net import PeerUnreachable, Rejected, RemoteError, RpcTimeout, Transport
 
 log = logging.getLogger(__name__)
@@ -122,6 +123,10 @@ class Matchmaker:
             try:
                 answer = await self._join(candidate, request)
             except (PeerUnreachable, RpcTimeout, RemoteError) as exc:
+                if isinstance(exc, RemoteError) and exc.code == "incompatible":
+                    raise IncompatibleSwarm(
+                        f"this node cannot train with the swarm: the peer answered: {exc}"
+                    ) from None
                 log.info("round %d: could not join %s: %s", round_, candidate[-8:], exc)
                 continue
             if "redirect" in answer:

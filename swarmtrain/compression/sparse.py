@@ -6,7 +6,7 @@ decoding, not in a reduce-scatter ring.
 
 ``topk`` keeps the k largest magnitudes of the whole tensor. Indices are Elias-Fano coded (``bits.py``), about
 ``2 + log2(numel / k)`` bits each. Bytes/param ``= (k / numel) * (value bytes + index bits / 8)``: at 1% with
-fp16 values about 0.031 (130x smaller than fp32), with int8 values about 0.021.
+fp16 values about 0.031 (130x smaller than fp32), with int8 values about 0.021, with 2-bit values about 0.014.
 
 ``dct-topk`` cuts the tensor into chunks, takes an orthonormal DCT-II of each chunk (one matmul with a cached
 ``chunk x chunk`` basis) and keeps the k largest coefficients per chunk, as DeMo does. Neighbouring parameters are
@@ -62,9 +62,9 @@ class TopKCodec(BaseCodec):
     k: int | None = None
     """Elements kept, capped at numel."""
     value: str = "fp16"
-    """How kept values are stored: fp32, fp16, bf16 or int8."""
+    """How kept values are stored: fp32, fp16, bf16, int8, int4 or 2bit."""
     block: int = 64
-    """Values per float32 scale when ``value`` is int8."""
+    """Values per float32 scale when ``value`` is int8, int4 or 2bit."""
 
     @property
     def spec(self) -> str:
@@ -134,9 +134,9 @@ class DctTopKCodec(BaseCodec):
     k: int = 1
     """Coefficients kept per chunk."""
     value: str = "fp16"
-    """How kept coefficients are stored: fp32, fp16, bf16 or int8."""
+    """How kept coefficients are stored: fp32, fp16, bf16, int8, int4 or 2bit."""
     block: int = 64
-    """Values per float32 scale when ``value`` is int8."""
+    """Values per float32 scale when ``value`` is int8, int4 or 2bit."""
 
     @property
     def spec(self) -> str:

@@ -23,8 +23,9 @@ little-endian::
     7   powersgd  rank u16, rows u64, cols u64, value u8, scale f32   rows*rank values (P), cols*rank values (Q)
     8   dct-topk  chunk u32, k u32, value u8, block u32               nchunks*k values, nchunks*k packed indices
 
-``value`` selects how sparse and low-rank codecs store their float values: 0 fp32, 1 fp16, 2 bf16, 3 blockwise
-int8 with ``block`` elements per float32 absmax (see ``values.py``). Bit-packed fields are LSB-first.
+``value`` selects how sparse and low-rank codecs store their float values: 0 fp32, 1 fp16, 2 bf16, and blockwise
+3 int8, 4 int4, 5 2-bit with ``block`` elements per float32 absmax (see ``values.py``). Bit-packed fields are
+LSB-first.
 
 A receiver knows numel from the round's schema, so ``decode`` first checks the header against it and the body's
 exact length against what numel and the parameters imply, all in Python integers, before allocating anything:

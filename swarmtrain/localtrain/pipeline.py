@@ -52,12 +52,14 @@ class PipelineEngine:
         lt: LocalTrainConfig,
         prefix: str | None = None,
         horizon: int | None = None,
+        data_seed: int | None = None,
     ) -> None:
         if lt.method not in ASYNC_METHODS:
             raise LocalTrainError(f"config error: {lt.method} is not an async method ({', '.join(ASYNC_METHODS)}).")
         if lt.stages < 2:
             raise LocalTrainError("config error: the async methods need localtrain.stages >= 2.")
         self.config, self.corpus, self.lt = config, corpus, lt
+        self.data_seed = config.train.seed if data_seed is None else data_seed
         self.stages = lt.stages
         self.rgc = lt.method == "rgc-async"
         self.threads = split_threads(lt)
@@ -113,6 +115,7 @@ class PipelineEngine:
                 stages=S,
                 method=lt.method,
                 config=config.model_dump(),
+                data_seed=self.data_seed,
                 threads=self.threads[i],
                 cores=self.cores[i],
                 ring_depth=lt.ring_depth,
@@ -182,7 +185,7 @@ class PipelineEngine:
         waits0 = [r.wait_seconds for r in rings]
         copies0 = sum(r.copy_seconds for r in rings)
         t, context = self.config.train, self.config.model.context
-        batch = train_batch(self.corpus.train, t.batch_size, context, t.seed, step)
+        batch = train_batch(self.corpus.train, t.batch_size, context, self.data_seed, step)
         item = self.act_in.get(timeout)
         if item.step != step:
             raise LocalTrainError(f"localtrain error: the owner expected step {step}'s activation, got {item.step}'s")

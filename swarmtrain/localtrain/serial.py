@@ -26,10 +26,11 @@ from swarmtrain.model import ByteTransformer
 
 
 class SerialEngine:
-    def __init__(self, config: Config, corpus: Corpus, lt: LocalTrainConfig) -> None:
+    def __init__(self, config: Config, corpus: Corpus, lt: LocalTrainConfig, data_seed: int | None = None) -> None:
         if lt.method not in SERIAL_METHODS:
             raise LocalTrainError(f"config error: {lt.method} is not a serial method ({', '.join(SERIAL_METHODS)}).")
         self.config, self.corpus, self.lt = config, corpus, lt
+        self.data_seed = config.train.seed if data_seed is None else data_seed
         self.full = build_full(config, lt.stages)
         self.stages = [Stage(m, config.train) for m in build_stage_modules(self.full, lt.stages)]
         self.readout = self.stages[-1].module.readout.weight
@@ -47,7 +48,7 @@ class SerialEngine:
     def train_step(self) -> float:
         """One step of every stage on the step's batch; returns the last exit's loss (nats per byte)."""
         t, context = self.config.train, self.config.model.context
-        batch = train_batch(self.corpus.train, t.batch_size, context, t.seed, self.step)
+        batch = train_batch(self.corpus.train, t.batch_size, context, self.data_seed, self.step)
         x, y = batch[:, :-1], batch[:, 1:]
         method, live = self.lt.method, self.readout
         snapshot = self.history[0]

@@ -48,9 +48,10 @@ class GlobalEngine:
     so that the benchmark's reference pays the same per-process memory as every stage.
     """
 
-    def __init__(self, config: Config, corpus: Corpus, lt: LocalTrainConfig) -> None:
+    def __init__(self, config: Config, corpus: Corpus, lt: LocalTrainConfig, data_seed: int | None = None) -> None:
         setup_threads(total_threads(lt))
         self.config, self.corpus = config, corpus
+        self.data_seed = config.train.seed if data_seed is None else data_seed
         torch.manual_seed(config.train.seed)
         self.full = ByteTransformer(config.model)
         self.stage = Stage(StageModule(self.full, 0, config.model.depth, owner=True), config.train)
@@ -59,7 +60,7 @@ class GlobalEngine:
 
     def train_step(self) -> float:
         t, context = self.config.train, self.config.model.context
-        batch = train_batch(self.corpus.train, t.batch_size, context, t.seed, self.step)
+        batch = train_batch(self.corpus.train, t.batch_size, context, self.data_seed, self.step)
         module = self.stage.module
         module.train()
         loss = local_loss(module.exit_norm(module(batch[:, :-1])), module.readout.weight, batch[:, 1:])
@@ -106,20 +107,23 @@ class LocalTrainer:
         lt: LocalTrainConfig | None = None,
         prefix: str | None = None,
         horizon: int | None = None,
+        data_seed: int | None = None,
     ) -> None:
-        """``prefix`` names the shared-memory segments; ``horizon`` is the first drain point (train.max_steps)."""
-        lt = lt or LocalTrainConfig()
+        """``prefix`` names the shared-memory segments; ``horizon`` is the first drain point (train.max_steps);
+        ``data_seed`` picks the training windows (train.seed if unset; a node passes its own, like ``Trainer``).
+        ``lt`` defaults to the config's ``localtrain`` section."""
+        lt = lt or config.localtrain
         corpus.check_context(config.model.context)
         check_config(config, lt)
         self.config, self.corpus, self.lt = config, corpus, lt
         self.engine: Engine
         if lt.method == "global-bp":
-            self.engine = GlobalEngine(config, corpus, lt)
+            self.engine = GlobalEngine(config, corpus, lt, data_seed=data_seed)
         elif lt.method in ASYNC_METHODS:
-            self.engine = PipelineEngine(config, corpus, lt, prefix=prefix, horizon=horizon)
+            self.engine = PipelineEngine(config, corpus, lt, prefix=prefix, horizon=horizon, data_seed=data_seed)
         else:
             setup_threads(total_threads(lt))
-            self.engine = SerialEngine(config, corpus, lt)
+            self.engine = SerialEngine(config, corpus, lt, data_seed=data_seed)
 
     @property
     def step(self) -> int:
@@ -132,6 +136,11 @@ class LocalTrainer:
     def train_step(self) -> float:
         """One step of every stage; returns the last exit's training loss in nats per byte."""
         return self.engine.train_step()
+
+    @property
+    def segment_prefix(self) -> str | None:
+        """The name prefix of this run's shared-memory segments (``/dev/shm/<prefix>-*``); None without any."""
+        return self.engine.prefix if isinstance(self.engine, PipelineEngine) else None
 
     def set_horizon(self, steps: int) -> None:
         """Let async stages run up to step ``steps``; the pipeline drains there (a no-op for other methods)."""

@@ -42,6 +42,7 @@ class StageSpec:
     stages: int
     method: str
     config: dict[str, Any]
+    data_seed: int
     threads: int
     cores: list[int] | None
     ring_depth: int
@@ -134,7 +135,7 @@ class UpstreamWorker:
         copies0 = sum(r.copy_seconds for r in rings)
         snap_wait0 = self.snapshot.wait_seconds
         t, context = self.config.train, self.config.model.context
-        batch = train_batch(self.corpus.train, t.batch_size, context, t.seed, step)
+        batch = train_batch(self.corpus.train, t.batch_size, context, self.spec.data_seed, step)
         if self.act_in is None:
             x = batch[:, :-1]
         else:

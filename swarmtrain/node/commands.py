@@ -51,8 +51,8 @@ def run_until_interrupted(main: Callable[[], Awaitable[None]]) -> None:
     uvloop.run(runner())
 
 
-def run_node(config: Config) -> None:
-    run_until_interrupted(Node(config).run)
+def run_node(config: Config, resume: bool = False) -> None:
+    run_until_interrupted(Node(config, resume).run)
 
 
 def run_bootstrap(config: Config) -> None:

@@ -2,6 +2,7 @@
 
     swarmtrain node --config run.toml
     swarmtrain node --config run.toml --join /ip4/203.0.113.5/tcp/31337/p2p/12D3KooW...
+    swarmtrain node --config run.toml --join ... --resume   # continue from the run directory's latest checkpoint
 
 Each round: H inner AdamW steps in a worker thread (torch releases the GIL, so the loop keeps serving RPCs and
 heartbeats), then the outer step with the node's group, then one JSON line in ``<run_dir>/metrics.jsonl``.
@@ -19,21 +20,21 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-import torch
 from hivemind.dht.node import DHTNode
 from hivemind.dht.validation import CompositeValidator
 from hivemind.p2p import P2P
 from hivemind.utils.crypto import RSAPrivateKey
-from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
 from swarmtrain.averaging import PROTOCOL_VERSION, Averager, RoundOutcome, leader_candidates
 from swarmtrain.compression import get_codec
 from swarmtrain.config import Config, write_resolved
 from swarmtrain.data import load_corpus
 from swarmtrain.dht import Membership, PeerRecord, record_validators
-from swarmtrain.errors import SwarmtrainError
+from swarmtrain.errors import CheckpointError, SwarmtrainError
 from swarmtrain.net import P2PTransport
-from swarmtrain.train import Trainer, configure_threads, save_checkpoint
+from swarmtrain.node.inner import InnerLoop, build_inner_loop
+from swarmtrain.node.resume import open_run_dir, outer_state
+from swarmtrain.train import Checkpoint, configure_threads, save_checkpoint
 
 log = logging.getLogger(__name__)
 
@@ -80,8 +81,9 @@ def join_line(maddrs: list[Any]) -> str:
 
 
 class Node:
-    def __init__(self, config: Config) -> None:
+    def __init__(self, config: Config, resume: bool = False) -> None:
         self.config = config
+        self.resume = resume  # continue from the latest checkpoint in the run directory
         self.run_dir = Path(config.run_dir)
         self.metrics_path = self.run_dir / "metrics.jsonl"
         self.numel = 0
@@ -91,6 +93,7 @@ class Node:
         config, node, avg = self.config, self.config.node, self.config.averaging
         corpus = load_corpus(config.data)
         corpus.check_context(config.model.context)
+        checkpoint = open_run_dir(config, self.resume)  # before anything is written to the run directory
         codec_up, codec_down = get_codec(avg.codec), get_codec(avg.codec_down or avg.codec)
         identity = Path(node.identity) if node.identity else self.run_dir / "identity.key"
         configure_threads(config.train.threads)
@@ -98,12 +101,13 @@ class Node:
         p2p = await start_p2p(config, identity)
         private_key = RSAPrivateKey()
         dht = None
+        trainer: InnerLoop | None = None
         try:
             dht = await start_dht(p2p, config, private_key)
             me = p2p.peer_id.to_base58()
             data_seed = node.data_seed if node.data_seed is not None else zlib.crc32(me.encode())
-            trainer = Trainer(config, corpus, data_seed=data_seed)
-            theta = parameters_to_vector(trainer.model.parameters()).detach().clone()
+            trainer = build_inner_loop(config, corpus, data_seed)  # standard or localtrain (train.trainer)
+            theta = trainer.vector()
             self.numel = theta.numel()
             transport = P2PTransport(p2p)
             averager = Averager(
@@ -111,12 +115,16 @@ class Node:
                 outer_momentum=avg.outer_momentum, codec_up=codec_up, codec_down=codec_down,
                 part_numel=avg.part_numel, min_deadline=avg.min_deadline_s, deadline_factor=avg.deadline_factor,
                 fail_at=avg.fail_at, error_feedback=avg.error_feedback,
+                shapes=trainer.shapes,
             )  # fmt: skip
+            if checkpoint is not None:
+                self._restore(checkpoint, trainer, averager)
             await averager.start()
             maddrs = await p2p.get_visible_maddrs()
             record = PeerRecord(
-                peer_id=me, addrs=[str(m) for m in maddrs], proto=PROTOCOL_VERSION, run_id=node.run_id, round=0,
-                phase="training", tokens_per_s=0.0, batch_size=config.train.batch_size,
+                peer_id=me, addrs=[str(m) for m in maddrs], proto=PROTOCOL_VERSION, run_id=node.run_id,
+                round=averager.round, phase="training", tokens_per_s=0.0, batch_size=config.train.batch_size,
+                digest=averager.outer.digest() if checkpoint is not None else "",
             )  # fmt: skip
             signer, _ = record_validators(node.run_id, private_key)
             membership = Membership(dht, signer, record, ttl=node.record_ttl_s)
@@ -134,8 +142,11 @@ class Node:
                 heartbeat.cancel()
                 with contextlib.suppress(Exception):
                     await asyncio.wait_for(membership.leave(), 3.0)
+                await asyncio.to_thread(trainer.stop)  # an interrupted round's steps end before the checkpoint
                 self._checkpoint(trainer, averager)
         finally:
+            if trainer is not None:  # localtrain: stage processes and shared memory are released here
+                await asyncio.to_thread(trainer.close)
             if dht is not None:
                 with contextlib.suppress(Exception):
                     await dht.shutdown()
@@ -152,7 +163,7 @@ class Node:
             log.warning("only %d of node.min_peers=%d peers after %.0f s; training anyway",
                         len(membership.view), node.min_peers, node.min_peers_timeout_s)  # fmt: skip
 
-    async def _catch_up(self, averager: Averager, membership: Membership, trainer: Trainer, wait_s: float) -> None:
+    async def _catch_up(self, averager: Averager, membership: Membership, trainer: InnerLoop, wait_s: float) -> None:
         """Download theta_g from a peer that is at our round or later (a joiner, or a node left out of a round).
 
         Peers publish the digest of their theta_g with their round; the state is taken from the most advanced
@@ -169,6 +180,10 @@ class Node:
             if ahead:
                 # The round and digest most peers hold, not the highest claim: one peer cannot drag us forward.
                 (target, digest), _ = Counter((r.round, r.digest) for r in ahead).most_common(1)[0]
+                if (target, digest) == (averager.round, averager.outer.digest()):
+                    log.info("in step with the swarm at round %d (digest %s)", target, digest[:8])
+                    averager.needs_catch_up = False
+                    return
                 donors = [r.peer_id for r in ahead if (r.round, r.digest) == (target, digest)]
                 if await averager.fetch_state(donors, digest, max_round=target):
                     log.info("caught up with the swarm at round %d (digest %s)", averager.round, digest[:8])
@@ -182,22 +197,35 @@ class Node:
             await asyncio.sleep(self.config.node.heartbeat_s)
             await membership.refresh()
 
-    async def _sync_on_start(self, averager: Averager, membership: Membership, trainer: Trainer) -> None:
-        """A node that joins a swarm already under way downloads theta_g from a peer before training."""
-        if any(r.round > 0 for p, r in membership.view.items() if p != averager.me):
+    async def _sync_on_start(self, averager: Averager, membership: Membership, trainer: InnerLoop) -> None:
+        """A node that joins a swarm already under way (or resumes behind it) downloads theta_g before training;
+        a resumed node whose peers hold its round and digest just continues."""
+        round_, digest = averager.round, averager.outer.digest()
+        others = [r for p, r in membership.view.items() if p != averager.me]
+        if any(r.round > round_ or (r.round == round_ > 0 and r.digest not in ("", digest)) for r in others):
             await self._catch_up(averager, membership, trainer, wait_s=30.0)
 
-    def _load_theta(self, trainer: Trainer, averager: Averager) -> None:
-        with torch.no_grad():
-            vector_to_parameters(averager.outer.theta.clone(), trainer.model.parameters())
+    def _restore(self, checkpoint: Checkpoint, trainer: InnerLoop, averager: Averager) -> None:
+        """theta_g, the outer momentum, the round and the inner trainer's state from a checkpoint (``--resume``)."""
+        round_, digest, tensors = outer_state(checkpoint)
+        trainer.restore(checkpoint)
+        try:
+            averager.outer.load_state_tensors(tensors)
+        except ValueError as exc:
+            raise CheckpointError(
+                f"checkpoint error: the outer state in {checkpoint.path} does not fit this model ({exc}). Resume "
+                "with the model settings it was written with, or start a new run with a new --run-dir."
+            ) from None
+        if averager.outer.digest() != digest:
+            raise CheckpointError(f"checkpoint error: the outer state restored from {checkpoint.path} is not {digest}")
+        averager.round = round_
+        self._load_theta(trainer, averager)
+        print(f"resumed from {checkpoint.path.name}: round {round_}, digest {digest[:8]}", flush=True)
 
-    def _inner(self, trainer: Trainer, steps: int) -> tuple[float, int, float]:
-        started, tokens0, losses = time.perf_counter(), trainer.tokens, []
-        for _ in range(steps):
-            losses.append(trainer.train_step())
-        return sum(losses) / len(losses), trainer.tokens - tokens0, time.perf_counter() - started
+    def _load_theta(self, trainer: InnerLoop, averager: Averager) -> None:
+        trainer.load_vector(averager.outer.theta)
 
-    async def _train(self, trainer: Trainer, averager: Averager, membership: Membership, transport: Any) -> None:
+    async def _train(self, trainer: InnerLoop, averager: Averager, membership: Membership, transport: Any) -> None:
         config, node = self.config, self.config.node
         started = time.perf_counter()
         last_inner = 0.0
@@ -213,12 +241,12 @@ class Node:
                 self.observe = False
                 loss, tokens = float("nan"), 0
             else:
-                loss, tokens, inner_s = await asyncio.to_thread(self._inner, trainer, node.inner_steps)
+                loss, tokens, inner_s = await asyncio.to_thread(trainer.run, node.inner_steps)
                 last_inner = inner_s
             membership.update(phase="averaging", tokens_per_s=tokens / max(last_inner, 1e-9))
             await membership.publish()
             sent, received = transport.counter.sent, transport.counter.received
-            delta = averager.outer.theta - parameters_to_vector(trainer.model.parameters()).detach()
+            delta = averager.outer.theta - trainer.vector()
             live = list(membership.view)
             candidates = leader_candidates(live, averager.me, averager.group_size, node.run_id, averager.round)
             gather = max(config.averaging.min_gather_s, 0.5 * last_inner)
@@ -282,8 +310,8 @@ class Node:
         with open(self.metrics_path, "a", encoding="utf-8") as f:
             f.write(json.dumps(record) + "\n")
 
-    def _checkpoint(self, trainer: Trainer, averager: Averager) -> None:
-        tensors, meta = trainer.state()
+    def _checkpoint(self, trainer: InnerLoop, averager: Averager) -> None:
+        tensors, meta = trainer.state(averager.outer.theta)
         tensors.update({f"outer.{k}": v for k, v in averager.outer.state_tensors().items()})
         meta.update({"round": averager.round, "digest": averager.outer.digest()})
         save_checkpoint(self.run_dir, tensors, meta, keep=self.config.train.keep_checkpoints)

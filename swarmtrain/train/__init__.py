@@ -2,11 +2,12 @@
 
 from swarmtrain.train.checkpoint import Checkpoint, latest_checkpoint, list_checkpoints, save_checkpoint
 from swarmtrain.train.loop import run_training
-from swarmtrain.train.trainer import Trainer, configure_threads
+from swarmtrain.train.trainer import Trainer, check_compatible, configure_threads
 
 __all__ = [
     "Checkpoint",
     "Trainer",
+    "check_compatible",
     "configure_threads",
     "latest_checkpoint",
     "list_checkpoints",

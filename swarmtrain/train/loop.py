@@ -15,7 +15,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from swarmtrain.config import Config, write_resolved
 from swarmtrain.data import load_corpus
-from swarmtrain.errors import CheckpointError
+from swarmtrain.errors import CheckpointError, ConfigError
 from swarmtrain.model import count_parameters
 from swarmtrain.train.checkpoint import latest_checkpoint, list_checkpoints, save_checkpoint
 from swarmtrain.train.trainer import Trainer, configure_threads
@@ -33,6 +33,12 @@ def run_training(config: Config, resume: bool = False, console: Console | None =
     run directory is touched, so a failed start never damages an earlier run.
     """
     console = console or Console(soft_wrap=True)
+    if config.train.trainer != "standard":
+        raise ConfigError(
+            f"config error: train.trainer = {config.train.trainer!r} selects the inner trainer of `swarmtrain node`; "
+            "`swarmtrain train` always runs the standard trainer. Drop the setting here, or compare localtrain "
+            "with global backprop on this machine with `swarmtrain localtrain bench`."
+        )
     run_dir = Path(config.run_dir)
     corpus = load_corpus(config.data)
     corpus.check_context(config.model.context)

@@ -98,18 +98,7 @@ class Trainer:
 
     def check_compatible(self, checkpoint: Checkpoint) -> None:
         """Raise ``CheckpointError`` if ``checkpoint`` was written for a different model shape."""
-        saved = checkpoint.meta.get("config", {}).get("model")
-        wanted = self.config.model.model_dump()
-        if saved != wanted:
-            diffs = ", ".join(
-                f"model.{k}={saved.get(k)!r} there vs {wanted[k]!r} here"
-                for k in wanted
-                if not isinstance(saved, dict) or saved.get(k) != wanted[k]
-            )
-            raise CheckpointError(
-                f"checkpoint error: {checkpoint.path} was written for a different model ({diffs or 'unknown'}). "
-                "Resume with the model settings it was written with, or start a new run with a new --run-dir."
-            )
+        check_compatible(checkpoint, self.config)
 
     def load_state(self, checkpoint: Checkpoint) -> None:
         self.check_compatible(checkpoint)
@@ -118,3 +107,19 @@ class Trainer:
         load_optimizer_tensors(self.optimizer, checkpoint.tensors, checkpoint.meta["optimizer_groups"])
         self.step = int(checkpoint.meta["step"])
         self.tokens = int(checkpoint.meta["tokens"])
+
+
+def check_compatible(checkpoint: Checkpoint, config: Config) -> None:
+    """Raise ``CheckpointError`` if ``checkpoint`` was written for another model shape than ``config.model``."""
+    saved = checkpoint.meta.get("config", {}).get("model")
+    wanted = config.model.model_dump()
+    if saved != wanted:
+        diffs = ", ".join(
+            f"model.{k}={saved.get(k)!r} there vs {wanted[k]!r} here"
+            for k in wanted
+            if not isinstance(saved, dict) or saved.get(k) != wanted[k]
+        )
+        raise CheckpointError(
+            f"checkpoint error: {checkpoint.path} was written for a different model ({diffs or 'unknown'}). "
+            "Resume with the model settings it was written with, or start a new run with a new --run-dir."
+        )

@@ -1,0 +1,63 @@
+"""A node's run directory: refuse to overwrite a node's run, or find and check the checkpoint to resume from.
+
+    swarmtrain node --run-dir runs/a --resume --join /ip4/203.0.113.5/tcp/31337/p2p/12D3KooW...
+
+A node checkpoint holds the inner trainer's state (``node.inner``), theta_g and the outer momentum as
+``outer.theta`` / ``outer.momentum``, and the round and digest of that outer state in its metadata. Everything
+here runs before the node starts its daemons or writes to the run directory, so a refused start changes nothing.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from swarmtrain.averaging import state_digest
+from swarmtrain.config import Config
+from swarmtrain.errors import CheckpointError
+from swarmtrain.train import Checkpoint, check_compatible, latest_checkpoint, list_checkpoints
+
+OUTER = ("theta", "momentum")
+
+
+def open_run_dir(config: Config, resume: bool) -> Checkpoint | None:
+    """The checkpoint to resume from (checked), or None for a fresh start in a run directory without one."""
+    run_dir = Path(config.run_dir)
+    if not resume:
+        if existing := list_checkpoints(run_dir):
+            raise CheckpointError(
+                f"checkpoint error: {run_dir} already holds a run (latest checkpoint {existing[-1].name}). Pass "
+                f"--resume to continue it (`swarmtrain node --run-dir {run_dir} --resume ...`), or choose a new "
+                "--run-dir to start another node."
+            )
+        return None
+    checkpoint = latest_checkpoint(run_dir)
+    if checkpoint is None:
+        raise CheckpointError(
+            f"checkpoint error: --resume found no readable checkpoint in {run_dir / 'checkpoints'}. Drop --resume "
+            "to start a new node there, or point --run-dir at the run directory of the node to continue."
+        )
+    check_compatible(checkpoint, config)
+    outer_state(checkpoint)
+    return checkpoint
+
+
+def outer_state(checkpoint: Checkpoint) -> tuple[int, str, dict[str, torch.Tensor]]:
+    """Round, digest and tensors of the outer state in ``checkpoint``, verified against its digest."""
+    tensors = {name: checkpoint.tensors.get(f"outer.{name}") for name in OUTER}
+    meta = checkpoint.meta
+    round_, digest = meta.get("round"), meta.get("digest")
+    counts_ok = all(isinstance(meta.get(k), int) for k in ("round", "step", "tokens"))
+    if not counts_ok or not isinstance(digest, str) or any(t is None for t in tensors.values()):
+        raise CheckpointError(
+            f"checkpoint error: {checkpoint.path} is not a swarm node's checkpoint (no outer state; `swarmtrain "
+            "train` writes such files). Start the node with a new --run-dir."
+        )
+    found = {k: t for k, t in tensors.items() if t is not None}
+    if found["theta"].shape != found["momentum"].shape or state_digest(*found.values()) != digest:
+        raise CheckpointError(
+            f"checkpoint error: the outer state in {checkpoint.path} does not match its digest {digest[:8]} (the "
+            "file is damaged). Move it out of the checkpoints folder to resume from the one before."
+        )
+    return round_, digest, found

@@ -1,0 +1,189 @@
+"""``swarmtrain node --resume``: a node's checkpoint restores theta_g, the outer and inner optimizer state and the
+round; a restarted node catches up with the swarm and ends every later round with the others' digest."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+from swarmtrain.averaging import Averager
+from swarmtrain.compression import get_codec
+from swarmtrain.data import load_corpus
+from swarmtrain.errors import CheckpointError
+from swarmtrain.net import MemoryNetwork
+from swarmtrain.node.inner import LocalTrainLoop, StandardLoop
+from swarmtrain.node.node import Node
+from swarmtrain.node.resume import open_run_dir
+from swarmtrain.train import list_checkpoints
+from tests.conftest import tiny_config
+from tests.swarm import TINY, Swarm
+
+
+def outer(theta: torch.Tensor) -> Averager:
+    return Averager(
+        MemoryNetwork().transport("me"), theta, run_id="test", group_size=16, outer_lr=0.7, outer_momentum=0.9,
+        codec_up=get_codec("fp16"), codec_down=get_codec("fp16"), part_numel=1 << 16, min_deadline=2.0,
+        deadline_factor=4.0,
+    )  # fmt: skip
+
+
+def test_a_node_checkpoint_restores_theta_g_the_optimizers_and_the_round(tmp_path: Path, text_file: Path) -> None:
+    config = tiny_config(tmp_path, text_file)
+    corpus = load_corpus(config.data)
+    inner = StandardLoop(config, corpus, data_seed=7)
+    averager = outer(inner.vector())
+    for _ in range(3):  # three rounds: inner steps, then an outer step
+        inner.run(2)
+        averager.outer.step(averager.outer.theta - inner.vector())
+        inner.load_vector(averager.outer.theta)
+        averager.round += 1
+    Node(config)._checkpoint(inner, averager)
+
+    with pytest.raises(CheckpointError, match="already holds a run .* Pass --resume"):
+        open_run_dir(config, resume=False)
+    checkpoint = open_run_dir(config, resume=True)
+    assert checkpoint is not None
+    resumed, restored = StandardLoop(config, corpus, data_seed=7), outer(torch.zeros_like(averager.outer.theta))
+    Node(config, resume=True)._restore(checkpoint, resumed, restored)
+    assert restored.round == 3 and restored.outer.digest() == averager.outer.digest()
+    assert torch.equal(restored.outer.buf, averager.outer.buf) and torch.equal(resumed.vector(), averager.outer.theta)
+    assert resumed.trainer.step == 6 and resumed.trainer.tokens == inner.trainer.tokens
+    # The inner AdamW continues where it was: the next steps match those of the node that never stopped.
+    inner.run(2)
+    resumed.run(2)
+    assert torch.equal(resumed.vector(), inner.vector())
+
+
+@pytest.mark.timeout(120)
+def test_a_localtrain_node_resumes_theta_g_and_counts_its_steps_on(tmp_path: Path, text_file: Path) -> None:
+    settings = {"model.depth": 2, "model.exits": [1], "train.trainer": "localtrain", "localtrain.threads": 2}
+    config = tiny_config(tmp_path, text_file, **settings)
+    corpus = load_corpus(config.data)
+    local = LocalTrainLoop(config, corpus, data_seed=7)
+    try:
+        averager = outer(local.vector())
+        local.run(3)
+        averager.outer.step(averager.outer.theta - local.vector())
+        averager.round = 1
+        local.load_vector(averager.outer.theta)
+        Node(config)._checkpoint(local, averager)
+    finally:
+        local.close()
+    checkpoint = open_run_dir(config, resume=True)
+    assert checkpoint is not None and checkpoint.step == 3
+    resumed, restored = LocalTrainLoop(config, corpus, data_seed=7), outer(torch.zeros_like(averager.outer.theta))
+    try:
+        Node(config, resume=True)._restore(checkpoint, resumed, restored)
+        assert restored.round == 1 and restored.outer.digest() == averager.outer.digest()
+        assert torch.equal(resumed.vector(), averager.outer.theta)
+        resumed.run(2)
+        assert resumed.state(restored.outer.theta)[1]["step"] == 5  # later checkpoints sort after this one
+    finally:
+        resumed.close()
+
+
+def test_a_damaged_or_foreign_checkpoint_is_refused_with_the_fix(tmp_path: Path, text_file: Path) -> None:
+    config = tiny_config(tmp_path, text_file)
+    inner = StandardLoop(config, load_corpus(config.data), data_seed=7)
+    averager = outer(inner.vector())
+    averager.outer.step(torch.ones_like(averager.outer.theta))
+    Node(config)._checkpoint(inner, averager)
+    wider = tiny_config(tmp_path, text_file, **{"model.width": 48})
+    with pytest.raises(CheckpointError, match=r"different model \(model.width=32 there vs 48 here\)"):
+        open_run_dir(wider, resume=True)
+    path = list_checkpoints(config.run_dir)[-1]
+    tensors = load_file(path)
+    with safe_open(str(path), "pt") as f:
+        meta = f.metadata()
+    tensors["outer.theta"][0] += 1.0  # one value of theta_g changes, the metadata (round, digest) stays
+    save_file(tensors, str(path), metadata=meta)
+    with pytest.raises(CheckpointError, match="does not match its digest"):
+        open_run_dir(config, resume=True)
+    with pytest.raises(CheckpointError, match="no readable checkpoint"):
+        open_run_dir(tiny_config(tmp_path, text_file, run_dir=str(tmp_path / "empty")), resume=True)
+
+
+def test_the_cli_refuses_a_used_run_dir_without_resume(tmp_path: Path, text_file: Path) -> None:
+    config = tiny_config(tmp_path, text_file)
+    inner = StandardLoop(config, load_corpus(config.data), data_seed=7)
+    Node(config)._checkpoint(inner, outer(inner.vector()))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SWARMTRAIN_")}
+    base = [sys.executable, "-m", "swarmtrain", "node", "--run-dir", config.run_dir, "--data", str(text_file)]
+    base += ["--set", f"data.cache_dir={tmp_path / 'cache'}"]
+    used = subprocess.run(base, capture_output=True, text=True, timeout=60, env=env)
+    assert used.returncode == 2, used.stderr
+    assert "already holds a run" in used.stderr and "--resume" in used.stderr
+    other = subprocess.run(
+        [*base, "--resume", "--set", "model.depth=3"], capture_output=True, text=True, timeout=60, env=env
+    )
+    assert other.returncode == 2 and "different model" in other.stderr, other.stderr
+    assert sorted(p.name for p in Path(config.run_dir).iterdir()) == ["checkpoints"]  # nothing else written
+
+
+@pytest.fixture
+def swarm(tmp_path: Path, text_file: Path) -> Iterator[Swarm]:
+    s = Swarm(tmp_path, text_file, TINY)
+    try:
+        yield s
+    finally:
+        s.close()
+
+
+def wait_until(condition, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.2)
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("stop", [signal.SIGTERM, signal.SIGKILL], ids=["graceful", "kill-9"])
+def test_a_stopped_node_resumes_and_rejoins_in_step(swarm: Swarm, stop: signal.Signals) -> None:
+    """Three nodes; c stops (Ctrl+C-like, or kill -9 of it and its daemon after a checkpoint), a and b go on,
+    c comes back with --resume: it downloads the state it missed and every round it logs from then on ends
+    with a's digest; it contributes again from the round after it caught up."""
+    settings = ["node.checkpoint_every=2", "node.inner_steps=20"]
+    swarm.start("a", 0, extra=["node.min_peers=3", *settings])  # rounds 0: all run until interrupted
+    first = swarm.join_line("a")
+    for name in ("b", "c"):
+        swarm.start(name, 0, join=first, extra=["node.min_peers=3", *settings])
+    swarm.join_line("c")
+    wait_until(lambda: len(swarm.rounds("c")) >= 3 and list_checkpoints(swarm.root / "c"), 60, swarm.log("c"))
+    swarm.kill("c", stop)
+    assert swarm.procs["c"].wait(timeout=30) in (0, -signal.SIGKILL), swarm.log("c")
+    identity = f"{swarm.root / 'c'}/identity.key"
+    for pid, cmdline in swarm.daemons.items():  # kill -9 of a machine: its p2p daemon is gone too
+        if stop == signal.SIGKILL and identity in cmdline and Path(f"/proc/{pid}").exists():
+            os.kill(pid, signal.SIGKILL)
+    saved = len(swarm.rounds("c"))
+    (swarm.root / "c" / "node.log").rename(swarm.root / "c" / "node-1.log")
+    wait_until(lambda: swarm.rounds("a")[-1]["round"] >= swarm.rounds("c")[-1]["round"] + 2, 60, swarm.log("a"))
+
+    swarm.start("c", 0, join=first, extra=settings, flags=["--resume"])
+    wait_until(lambda: len(swarm.rounds("c")) >= saved + 4, 60, swarm.log("c"))
+    for name in ("a", "b", "c"):
+        swarm.kill(name, signal.SIGINT)
+    swarm.wait(["a", "b", "c"], timeout=60)
+    log = swarm.log("c")
+    assert "resumed from step-" in log and "caught up with the swarm" in log, log
+    assert len(list_checkpoints(swarm.root / "c")) <= 2  # train.keep_checkpoints
+
+    after = swarm.rounds("c")[saved:]
+    digests = {r["round"]: r["digest"] for r in swarm.rounds("a")}
+    # Every round c took part in ends with a's digest. The round it caught up into may have formed its group
+    # before c could sit in as an observer: c logs that one as diverged (no group) and catches up again.
+    joined = [r for r in after if r["outcome"] != "diverged" and r["round"] in digests]
+    assert len(joined) >= 3 and all(digests[r["round"]] == r["digest"] for r in joined), after
+    assert len(after) - len([r for r in after if r["outcome"] != "diverged"]) <= 1, after
+    contributing = [r for r in after if r["tokens"] > 0 and r["group_size"] == 3]
+    assert contributing and contributing[0]["round"] - after[0]["round"] <= 2, after[:4]

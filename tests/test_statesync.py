@@ -1,0 +1,207 @@
+"""State sync in process: a joiner downloads theta_g and the momentum in chunks from several donors (milliseconds)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import Counter
+
+import pytest
+import torch
+from hivemind.p2p import P2P
+
+from swarmtrain.averaging import Averager
+from swarmtrain.averaging.statesync import INFLIGHT
+from swarmtrain.compression import get_codec
+from swarmtrain.net import MemoryNetwork, P2PTransport
+
+NUMEL = 10_000
+CHUNK = 8192  # the state is ~80 kB: 10 chunks
+
+
+def averager(net: MemoryNetwork, name: str, numel: int = NUMEL) -> Averager:
+    a = Averager(
+        net.transport(name), torch.zeros(numel), run_id="test", group_size=16, outer_lr=0.7, outer_momentum=0.9,
+        codec_up=get_codec("fp32"), codec_down=get_codec("fp32"), part_numel=1000, min_deadline=2.0,
+        deadline_factor=4.0,
+    )  # fmt: skip
+    a.state_chunk = CHUNK
+    return a
+
+
+async def donors_and_joiner(n: int, round_: int = 7) -> tuple[MemoryNetwork, list[Averager], Averager, Counter[str]]:
+    """``n`` donors holding one state (a few outer steps in), a fresh joiner, and a count of chunk requests."""
+    net = MemoryNetwork()
+    net.delay = 0.002  # every call yields, as on a real link, so donors serve side by side
+    donors = [averager(net, f"donor{i}") for i in range(n)]
+    torch.manual_seed(0)
+    grads = [torch.randn(NUMEL) for _ in range(3)]
+    for d in donors:
+        for g in grads:
+            d.outer.step(g)
+        d.round = round_
+    joiner = averager(net, "joiner")
+    for a in [*donors, joiner]:
+        await a.start()
+    chunks: Counter[str] = Counter()
+
+    def count(src: str, dst: str, method: str, header: dict) -> None:
+        if method == "state" and "index" in header:
+            chunks[dst] += 1
+
+    net.before_call = count
+    return net, donors, joiner, chunks
+
+
+def tamper(net: MemoryNetwork, peer: str, change) -> None:
+    """Make ``peer`` answer state requests with ``change(header, answer, body)`` of its honest answer."""
+    handler, max_body, max_frames = net.handlers[peer]["state"]
+
+    async def wrapped(sender, header, frames):
+        answer, body = await handler(sender, header, frames)
+        return change(header, answer, body)
+
+    net.handlers[peer]["state"] = (wrapped, max_body, max_frames)
+
+
+def same_state(a: Averager, b: Averager) -> bool:
+    return torch.equal(a.outer.theta, b.outer.theta) and torch.equal(a.outer.buf, b.outer.buf)
+
+
+async def test_chunks_come_from_every_donor_and_assemble_the_agreed_state() -> None:
+    net, donors, joiner, chunks = await donors_and_joiner(3)
+    digest = donors[0].outer.digest()
+    assert await joiner.fetch_state([d.me for d in donors], digest, max_round=7)
+    assert same_state(joiner, donors[0]) and joiner.outer.digest() == digest and joiner.round == 7
+    assert set(chunks) == {d.me for d in donors} and min(chunks.values()) >= 2, chunks
+    assert sum(chunks.values()) == 10  # each chunk fetched once
+
+
+async def test_a_donor_that_dies_mid_download_is_replaced() -> None:
+    net, donors, joiner, chunks = await donors_and_joiner(3)
+    counting = net.before_call
+
+    def die_on_second_chunk(src: str, dst: str, method: str, header: dict) -> None:
+        counting(src, dst, method, header)
+        if dst == "donor1" and chunks["donor1"] == 2:
+            net.kill("donor1")
+
+    net.before_call = die_on_second_chunk
+    digest = donors[0].outer.digest()
+    assert await joiner.fetch_state([d.me for d in donors], digest)
+    assert same_state(joiner, donors[0])
+    assert chunks["donor1"] <= 1 + INFLIGHT and chunks["donor0"] + chunks["donor2"] >= 8, chunks
+
+
+async def test_a_donor_serving_corrupted_chunks_is_dropped_and_its_chunks_come_from_others(caplog) -> None:
+    net, donors, joiner, chunks = await donors_and_joiner(3)
+
+    def flip(header, answer, body):
+        return answer, (bytes([body[0] ^ 1]) + body[1:]) if "index" in header else body
+
+    tamper(net, "donor1", flip)
+    digest = donors[0].outer.digest()
+    with caplog.at_level(logging.INFO, logger="swarmtrain.averaging.statesync"):
+        assert await joiner.fetch_state([d.me for d in donors], digest)
+    assert same_state(joiner, donors[0])
+    assert chunks["donor1"] <= INFLIGHT, chunks  # dropped at its first bad chunk
+    assert "does not match the manifest" in caplog.text
+
+
+async def test_a_donor_whose_bytes_do_not_hash_to_the_digest_it_claims_is_detected(caplog) -> None:
+    """A donor with another state that claims the agreed digest (its manifest matches its own bytes): the
+    assembled state fails the digest check, and the joiner takes the state from the honest donor."""
+    net, donors, joiner, chunks = await donors_and_joiner(2)
+    liar, honest = donors
+    digest = honest.outer.digest()
+    liar.outer.step(torch.ones(NUMEL))
+    liar.outer.digest = lambda: digest  # type: ignore[method-assign]
+    with caplog.at_level(logging.WARNING, logger="swarmtrain.averaging.statesync"):
+        assert await joiner.fetch_state([liar.me, honest.me], digest)  # the liar's offer is tried first
+    assert "does not hash to its digest" in caplog.text
+    assert same_state(joiner, honest) and chunks[liar.me] > 0 and chunks[honest.me] == 10
+
+
+async def test_a_download_reads_one_snapshot_while_the_donor_moves_on() -> None:
+    net, donors, joiner, chunks = await donors_and_joiner(2)
+    digest = donors[0].outer.digest()
+    expected = {k: v.clone() for k, v in donors[0].outer.state_tensors().items()}
+    counting = net.before_call
+
+    def step_donors(src: str, dst: str, method: str, header: dict) -> None:
+        counting(src, dst, method, header)
+        if sum(chunks.values()) == 3:
+            for d in donors:  # a round ends on the donors in the middle of the download
+                d.outer.step(torch.ones(NUMEL))
+                d.round += 1
+
+    net.before_call = step_donors
+    assert await joiner.fetch_state([d.me for d in donors], digest)
+    assert torch.equal(joiner.outer.theta, expected["theta"]) and joiner.outer.digest() == digest
+    assert donors[0].outer.digest() != digest
+
+
+async def test_claims_beyond_our_state_size_round_or_digest_are_refused() -> None:
+    net, donors, joiner, chunks = await donors_and_joiner(1, round_=9)
+    digest = donors[0].outer.digest()
+    assert not await joiner.fetch_state([donors[0].me], digest, max_round=5)  # one peer cannot drag us forward
+    assert not await joiner.fetch_state([donors[0].me], "0" * 24)  # another digest than the agreed one
+    tamper(net, "donor0", lambda header, answer, body: ({**answer, "total": 1 << 40}, body))
+    assert not await joiner.fetch_state([donors[0].me], digest)
+    assert not chunks and joiner.round == 0 and not joiner.outer.theta.any()
+
+
+@pytest.mark.parametrize("numel", [NUMEL + 4, 2 * NUMEL])
+async def test_a_donor_with_another_model_shape_is_refused(numel: int) -> None:
+    net = MemoryNetwork()
+    donor, joiner = averager(net, "donor", numel=numel), averager(net, "joiner")
+    for a in (donor, joiner):
+        await a.start()
+    donor.outer.step(torch.ones(numel))
+    assert not await joiner.fetch_state([donor.me], None)  # by its size, or by its header once downloaded
+    assert not joiner.outer.theta.any()
+
+
+@pytest.mark.parametrize("chunk", [1000, 1 << 30, True])
+async def test_a_donor_refuses_chunk_sizes_out_of_bounds(chunk) -> None:
+    net = MemoryNetwork()
+    donor, joiner = averager(net, "donor"), averager(net, "joiner")
+    for a in (donor, joiner):
+        await a.start()
+    joiner.state_chunk = chunk
+    assert not await asyncio.wait_for(joiner.fetch_state([donor.me], None), 5)
+    assert not donor.snapshots.snapshots  # nothing serialised for a refused probe
+
+
+@pytest.mark.timeout(60)
+async def test_chunked_download_over_real_p2p_streams() -> None:
+    """Two donors and a joiner on p2pd daemons: the chunks travel as unary calls over libp2p streams."""
+    first = await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    daemons = [first]
+    try:
+        for _ in range(2):
+            daemons.append(
+                await P2P.create(initial_peers=await first.get_visible_maddrs(), host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+            )
+        numel = 100_000  # 800 kB of state: 13 chunks of 64 KiB
+        nodes = [
+            Averager(
+                P2PTransport(p2p), torch.zeros(numel), run_id="test", group_size=16, outer_lr=0.7, outer_momentum=0.9,
+                codec_up=get_codec("fp32"), codec_down=get_codec("fp32"), part_numel=1000, min_deadline=2.0,
+                deadline_factor=4.0,
+            )
+            for p2p in daemons
+        ]  # fmt: skip
+        *donors, joiner = nodes
+        for d in donors:
+            d.outer.step(torch.arange(numel, dtype=torch.float32))
+        for a in nodes:
+            await a.start()
+        joiner.state_chunk = 1 << 16
+        assert await joiner.fetch_state([d.me for d in donors], donors[0].outer.digest(), timeout=20)
+        assert same_state(joiner, donors[0])
+        sent = [d.transport.counter.sent for d in donors]
+        assert min(sent) > 200_000 and sum(sent) < 2 * 800_000, sent  # both served; nothing served twice
+    finally:
+        for p2p in daemons:
+            await p2p.shutdown()
