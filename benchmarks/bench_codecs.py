@@ -30,6 +30,8 @@ DEFAULT_SPECS = (
     "2bit",
     "topk:frac=0.01",
     "topk:frac=0.01,value=int8",
+    "topk:frac=0.005,value=int8",
+    "topk:frac=0.008,value=2bit",
     "powersgd:rank=4",
     "dct-topk",
     "dct-topk:value=int8",

@@ -64,6 +64,9 @@ def main() -> None:
     parser.add_argument("--data", help="Corpus (default: the Python standard library source).")
     parser.add_argument("--set", dest="overrides", action="append", default=[], help="Extra KEY=VALUE overrides.")
     parser.add_argument("--out", type=Path, help="Write all results as JSON here.")
+    parser.add_argument(
+        "--no-zygote", action="store_true", help="Spawn the stages (the old way), not fork them from a zygote."
+    )
     args = parser.parse_args()
     console = Console(highlight=False, soft_wrap=True, width=140)
     reports = {}
@@ -80,7 +83,7 @@ def main() -> None:
         command += [f"--method={m}" for m in methods] + ["--seeds", str(args.seeds), "--steps", str(steps)]
         command += [f"--set={o}" for o in overrides] + ([f"--data={args.data}"] if args.data else [])
         console.print(f"[bold]{name}[/bold]: {shlex.join(command)}")
-        spec = BenchSpec(config, lt, methods, tuple(range(args.seeds)), steps, skip)
+        spec = BenchSpec(config, lt, methods, tuple(range(args.seeds)), steps, skip, zygote=not args.no_zygote)
         report = run_bench(spec, on_result=lambda r: console.print(run_line(r), markup=False))
         print_report(report, console)
         reports[name] = report.to_json()

@@ -100,6 +100,9 @@ class TrainConfig(_Section):
     """torch threads for compute; 0 means all cores."""
     trainer: Literal["standard", "localtrain"] = "standard"
     """Inner trainer of `swarmtrain node`: standard (global backprop) or localtrain (set up by localtrain.*)."""
+    precision: Literal["fp32", "bf16"] = "fp32"
+    """Compute precision of the standard trainer's forward and backward passes (bf16: autocast); weights,
+    optimizer state and the updates a node sends stay fp32, so nodes of either precision average together."""
 
 
 LocalTrainMethod = Literal["global-bp", "live-local", "broadcast-serial", "broadcast-async", "rgc-serial", "rgc-async"]

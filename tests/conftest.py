@@ -1,11 +1,14 @@
 from __future__ import annotations
 
 import random
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from swarmtrain.config import Config, load_config
+
+from .swarm import TINY, Swarm
 
 WORDS = (
     "the swarm trains one model together over ordinary links while nodes join and leave at any time "
@@ -51,3 +54,13 @@ def tiny_config(tmp_path: Path, data: Path, **overrides: object) -> Config:
     }
     settings.update(overrides)
     return load_config(flags=settings, environ={})
+
+
+@pytest.fixture
+def swarm(tmp_path: Path, text_file: Path) -> Iterator[Swarm]:
+    """Real node processes on loopback with the tiny model; every process it started is reaped afterwards."""
+    s = Swarm(tmp_path, text_file, TINY)
+    try:
+        yield s
+    finally:
+        s.close()

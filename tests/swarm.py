@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 TINY = [
@@ -35,7 +36,7 @@ class Swarm:
         self.daemons: dict[int, str] = {}  # p2pd children of our nodes: reaped too if a node was killed
 
     def start(
-        self, name: str, rounds: int, join: str | None = None, extra: list[str] = (), flags: list[str] = ()
+        self, name: str, rounds: int, join: str | list[str] | None = None, extra: list[str] = (), flags: list[str] = ()
     ) -> subprocess.Popen[bytes]:
         run_dir = self.root / name
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -44,8 +45,8 @@ class Swarm:
         args += ["--data", str(self.data), "--set", f"data.cache_dir={self.root / 'cache'}"]
         for item in [*self.settings, *extra]:
             args += ["--set", item]
-        if join:
-            args += ["--join", join]
+        for address in [join] if isinstance(join, str) else join or []:
+            args += ["--join", address]
         env = {k: v for k, v in os.environ.items() if not k.startswith("SWARMTRAIN_")}
         log = open(run_dir / "node.log", "wb")  # noqa: SIM115
         self.procs[name] = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env)
@@ -86,7 +87,8 @@ class Swarm:
         path = self.root / name / "metrics.jsonl"
         if not path.exists():
             return []
-        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        lines = path.read_text().split("\n")[:-1]  # the last piece is empty or a line still being written
+        return [json.loads(line) for line in lines if line.strip()]
 
     def rounds(self, name: str) -> list[dict]:
         return [r for r in self.metrics(name) if r["kind"] == "round"]
@@ -100,6 +102,15 @@ class Swarm:
             except subprocess.TimeoutExpired:
                 raise AssertionError(f"{name} still running after {timeout} s:\n{self.log(name)}") from None
             assert code == 0, f"{name} exited with {code}:\n{self.log(name)}"
+
+    def wait_until(self, condition: Callable[[], bool], timeout: float, what: str) -> None:
+        """Poll ``condition`` until it holds; after ``timeout`` s fail with ``what`` and the nodes' log tails."""
+        deadline = time.monotonic() + timeout
+        while not condition():
+            if time.monotonic() > deadline:
+                logs = "\n".join(f"--- {name}\n{self.log(name)[-1500:]}" for name in self.procs)
+                raise AssertionError(f"timed out after {timeout} s waiting for {what}\n{logs}")
+            time.sleep(0.2)
 
     def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
         os.kill(self.procs[name].pid, sig)

@@ -197,3 +197,25 @@ async def test_a_report_lost_to_a_broken_stream_is_sent_again() -> None:
     assert broken["left"] == 0 and loop.time() - started < 2.0  # not a wait for the deadline
     assert {o.outcome for o in outcomes} == {"applied"} and len({o.digest for o in outcomes}) == 1
     assert all(not o.excluded for o in outcomes)
+
+
+async def test_an_update_that_missed_its_round_joins_the_next_one_damped_by_its_staleness() -> None:
+    net, averagers = make_swarm(3)
+    for a in averagers:
+        await a.start()
+    peers = [a.me for a in averagers]
+    stale = torch.randn(NUMEL)
+    # Round 0: peer2 is too slow for the group of the other two; it ends alone with live peers.
+    late = averagers[2].run_round(stale, 1.0, ["peer2"], set(peers), gather_timeout=0.5)
+    fast = [a.run_round(torch.randn(NUMEL), 1.0, ["peer0", "peer1"], {"peer0", "peer1"}, 2.0) for a in averagers[:2]]
+    outcomes = await asyncio.gather(late, *fast)
+    assert outcomes[0].outcome == "diverged" and averagers[2].needs_catch_up
+    assert await averagers[2].fetch_state(["peer0"], outcomes[1].digest)
+    # Round 1: everyone contributes; peer2's round-0 update rides along at 1 / (1 + 1).
+    before = averagers[0].outer.theta.clone()
+    deltas = [torch.randn(NUMEL) for _ in averagers]
+    outcomes = await run_round(averagers, deltas, [1.0] * 3)
+    assert {o.outcome for o in outcomes} == {"applied"} and len({o.digest for o in outcomes}) == 1
+    expected = before - (deltas[0] + deltas[1] + deltas[2] + stale / 2) / 3
+    torch.testing.assert_close(averagers[0].outer.theta, expected)
+    assert averagers[2].stale is None  # carried once, not again

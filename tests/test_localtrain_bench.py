@@ -111,4 +111,5 @@ def test_bench_runs_end_to_end(tmp_path: Path, text_file: Path) -> None:
     assert [r["method"] for r in report["results"]] == ["global-bp", "rgc-async", "live-local"]
     assert all(r["error"] is None and r["tokens_per_s"] > 0 and r["peak_pss_mib"] > 0 for r in report["results"])
     assert all(math.isfinite(r["bpb"]) and not r["leaked_segments"] for r in report["results"])
+    assert [r["zygote"] for r in report["results"]] == [False, True, False]  # async stages fork from a zygote
     assert set(leftover_segments(PREFIX)) <= before

@@ -6,7 +6,6 @@ import re
 import signal
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -16,20 +15,11 @@ from swarmtrain.data import load_corpus
 from swarmtrain.localtrain.shm import leftover_segments, pid_alive
 from swarmtrain.node.inner import LocalTrainLoop, StandardLoop
 from tests.conftest import tiny_config
-from tests.swarm import TINY, Swarm, _cmdline
+from tests.swarm import Swarm, _cmdline
 
 # Both trainers hold the same parameters only with the same model, exits included (an exit's norm is a parameter).
 MODEL = ["model.depth=2", "model.exits=[1]"]
 LOCALTRAIN = ["train.trainer=localtrain", "localtrain.method=rgc-async", "localtrain.stages=2", "localtrain.threads=2"]
-
-
-@pytest.fixture
-def swarm(tmp_path: Path, text_file: Path) -> Iterator[Swarm]:
-    s = Swarm(tmp_path, text_file, TINY)
-    try:
-        yield s
-    finally:
-        s.close()
 
 
 @pytest.mark.timeout(90)

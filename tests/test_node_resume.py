@@ -7,8 +7,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -26,7 +24,7 @@ from swarmtrain.node.node import Node
 from swarmtrain.node.resume import open_run_dir
 from swarmtrain.train import list_checkpoints
 from tests.conftest import tiny_config
-from tests.swarm import TINY, Swarm
+from tests.swarm import Swarm
 
 
 def outer(theta: torch.Tensor) -> Averager:
@@ -130,35 +128,22 @@ def test_the_cli_refuses_a_used_run_dir_without_resume(tmp_path: Path, text_file
     assert sorted(p.name for p in Path(config.run_dir).iterdir()) == ["checkpoints"]  # nothing else written
 
 
-@pytest.fixture
-def swarm(tmp_path: Path, text_file: Path) -> Iterator[Swarm]:
-    s = Swarm(tmp_path, text_file, TINY)
-    try:
-        yield s
-    finally:
-        s.close()
-
-
-def wait_until(condition, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, what
-        time.sleep(0.2)
-
-
-@pytest.mark.timeout(150)
+@pytest.mark.timeout(240)
 @pytest.mark.parametrize("stop", [signal.SIGTERM, signal.SIGKILL], ids=["graceful", "kill-9"])
 def test_a_stopped_node_resumes_and_rejoins_in_step(swarm: Swarm, stop: signal.Signals) -> None:
     """Three nodes; c stops (Ctrl+C-like, or kill -9 of it and its daemon after a checkpoint), a and b go on,
     c comes back with --resume: it downloads the state it missed and every round it logs from then on ends
     with a's digest; it contributes again from the round after it caught up."""
-    settings = ["node.checkpoint_every=2", "node.inner_steps=20"]
+    # Inner phases longer than a state download, so the resumed node sits in on the round it caught up into.
+    settings = ["node.checkpoint_every=2", "node.inner_steps=60"]
     swarm.start("a", 0, extra=["node.min_peers=3", *settings])  # rounds 0: all run until interrupted
     first = swarm.join_line("a")
     for name in ("b", "c"):
         swarm.start(name, 0, join=first, extra=["node.min_peers=3", *settings])
     swarm.join_line("c")
-    wait_until(lambda: len(swarm.rounds("c")) >= 3 and list_checkpoints(swarm.root / "c"), 60, swarm.log("c"))
+    swarm.wait_until(
+        lambda: len(swarm.rounds("c")) >= 3 and list_checkpoints(swarm.root / "c"), 60, "c: 3 rounds and a checkpoint"
+    )
     swarm.kill("c", stop)
     assert swarm.procs["c"].wait(timeout=30) in (0, -signal.SIGKILL), swarm.log("c")
     identity = f"{swarm.root / 'c'}/identity.key"
@@ -167,10 +152,12 @@ def test_a_stopped_node_resumes_and_rejoins_in_step(swarm: Swarm, stop: signal.S
             os.kill(pid, signal.SIGKILL)
     saved = len(swarm.rounds("c"))
     (swarm.root / "c" / "node.log").rename(swarm.root / "c" / "node-1.log")
-    wait_until(lambda: swarm.rounds("a")[-1]["round"] >= swarm.rounds("c")[-1]["round"] + 2, 60, swarm.log("a"))
+    swarm.wait_until(
+        lambda: swarm.rounds("a")[-1]["round"] >= swarm.rounds("c")[-1]["round"] + 2, 60, "a: 2 rounds ahead of c"
+    )
 
     swarm.start("c", 0, join=first, extra=settings, flags=["--resume"])
-    wait_until(lambda: len(swarm.rounds("c")) >= saved + 4, 60, swarm.log("c"))
+    swarm.wait_until(lambda: len(swarm.rounds("c")) >= saved + 4, 60, "c: 4 more rounds")
     for name in ("a", "b", "c"):
         swarm.kill(name, signal.SIGINT)
     swarm.wait(["a", "b", "c"], timeout=60)

@@ -9,23 +9,13 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from swarmtrain.compression import get_codec
 
-from .swarm import TINY, Swarm
-
-
-@pytest.fixture
-def swarm(tmp_path: Path, text_file: Path) -> Iterator[Swarm]:
-    s = Swarm(tmp_path, text_file, TINY)
-    try:
-        yield s
-    finally:
-        s.close()
+from .swarm import Swarm
 
 
 def start_logged(args: list[str], log_path: Path, **kwargs: object) -> tuple[subprocess.Popen[bytes], Path]:

@@ -43,6 +43,22 @@ def test_resume_gives_the_same_weights_as_an_uninterrupted_run(tmp_path: Path, t
         assert torch.equal(a, b), name
 
 
+def test_bf16_computes_in_bf16_and_keeps_fp32_weights(tmp_path: Path, text_file: Path) -> None:
+    torch.set_num_threads(1)
+    corpus = load_corpus(tiny_config(tmp_path, text_file).data)
+    runs = {}
+    for precision in ("fp32", "bf16"):
+        trainer = Trainer(tiny_config(tmp_path, text_file, **{"train.precision": precision}), corpus)
+        losses = [trainer.train_step() for _ in range(30)]
+        runs[precision] = (trainer, losses)
+    bf16, losses = runs["bf16"]
+    assert all(p.dtype == torch.float32 for p in bf16.model.parameters())
+    assert sum(losses[-5:]) < sum(losses[:5]) * 0.8  # it learns
+    fp32 = runs["fp32"][0].model.state_dict()
+    # Same seed and data: only the precision of the passes differs, and it shows in the weights.
+    assert any(not torch.equal(v, fp32[k]) for k, v in bf16.model.state_dict().items())
+
+
 def test_training_lowers_held_out_bpb_and_checkpoints(tmp_path: Path, text_file: Path) -> None:
     config = tiny_config(tmp_path, text_file, **{"train.max_steps": 60, "train.eval_every": 30})
     final = run_training(config)

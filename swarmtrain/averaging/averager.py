@@ -90,6 +90,14 @@ class Averager:
         self.codec_states = [CodecState() for _ in self.segments]  # error feedback and warm starts, per segment
         self._routes: dict[str, asyncio.Future[GroupExchange]] = {}
         self._durations: list[float] = []
+        # An update that missed its round (this node was too slow, or cut off): added to the next contribution
+        # at 1 / (1 + rounds late) instead of being lost (see ``_with_stale``).
+        self.stale: torch.Tensor | None = None
+        self.stale_round = 0
+        # Whether a round alone may apply its update: true until this node averages with others; then false
+        # until the node found no one to catch up from (``go_solo``), so a lookup that briefly shows no peers
+        # cannot fork theta_g.
+        self.solo = True
         self.fail_at = tuple(int(kv.split("=")[1]) for kv in fail_at.split(",")) if fail_at else None
         fp32 = get_codec("fp32")  # gossip rounds mix theta_g losslessly
         largest = [c.payload_size(part_numel) for c in (codec_up, codec_down, fp32)]
@@ -237,15 +245,19 @@ class Averager:
         if not all_finite(delta):
             log.error("round %d: the local update is not finite (training diverged); contributing nothing", round_)
             delta, weight = torch.zeros_like(delta), 0.0
+        elif weight > 0:
+            delta = self._with_stale(delta, round_)
         group = await self.matchmaker.form_group(
             round_, weight, self.outer.digest(), candidates, expected, gather_timeout, self.deadline_s()
         )
         if group.size == 1:
             self.round += 1
-            if expected - {self.me}:
-                # Others are live but no group took me: applying my update alone would silently fork theta_g.
-                # Keep theta_g as it is and catch up from a peer before the next round instead.
+            if expected - {self.me} or not self.solo:
+                # Others are live (or were, last round) but no group took me: applying my update alone would
+                # silently fork theta_g. Keep theta_g as it is and catch up from a peer before the next round.
                 self.needs_catch_up = True
+                if weight > 0:
+                    self.stale, self.stale_round = delta.clone(), round_
                 log.warning("round %d: no group formed although peers are live; will catch up from them", round_)
                 return RoundOutcome(
                     round_, group, "diverged", self.outer.digest(), 0.0, [], time.perf_counter() - started
@@ -303,11 +315,31 @@ class Averager:
             self.needs_catch_up = not resynced
             digest = self.outer.digest()
         self.round = max(self.round, round_ + 1)  # a resync may have moved us further
+        self.solo = False
         applied = sum(result.applied) / group.size
         phases = {k: round(v, 4) for k, v in phases.items()}
         return RoundOutcome(
             round_, group, outcome, digest, applied, result.excluded, time.perf_counter() - started, spread, phases
         )
+
+    def go_solo(self) -> None:
+        """No peer to catch up from: this node is alone in the swarm and trains on by itself."""
+        self.needs_catch_up = False
+        self.solo = True
+
+    def _with_stale(self, delta: torch.Tensor, round_: int) -> torch.Tensor:
+        """``delta`` plus the update that missed round ``stale_round``, scaled by 1 / (1 + rounds late).
+
+        The staleness rule for slow or cut-off nodes: a pseudo-gradient computed from an older theta_g still
+        points downhill, but less reliably the older it is, so it is damped rather than dropped or applied whole.
+        """
+        if self.stale is None:
+            return delta
+        late = max(1, round_ - self.stale_round)
+        log.info("round %d: adding my update from round %d at weight 1/%d", round_, self.stale_round, 1 + late)
+        delta = delta + self.stale / (1 + late)
+        self.stale = None
+        return delta
 
     def _allreduce(
         self,

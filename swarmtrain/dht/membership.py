@@ -39,6 +39,7 @@ class PeerRecord(BaseModel):
     tokens_per_s: float = Field(ge=0.0)
     batch_size: int = Field(ge=0)
     digest: str = Field("", max_length=64)
+    inner_s: float = Field(0.0, ge=0.0)  # seconds its last inner phase took (0: none yet)
 
 
 class _RecordV1(pv1.BaseModel):
@@ -51,6 +52,7 @@ class _RecordV1(pv1.BaseModel):
     tokens_per_s: pv1.StrictFloat
     batch_size: pv1.StrictInt
     digest: pv1.StrictStr
+    inner_s: pv1.StrictFloat
 
 
 class _PeersSchemaV1(pv1.BaseModel):
@@ -72,7 +74,7 @@ class Membership:
         self.key = f"{record.run_id}_peers"
         self.subkey = record.peer_id.encode() + signer.local_public_key
         self.view: dict[str, PeerRecord] = {record.peer_id: record}
-        self.seen_at: dict[str, float] = {}
+        self.seen_at: dict[str, float] = {}  # monotonic time each peer's record was last found
 
     def update(self, **changes: Any) -> None:
         self.record = self.record.model_copy(update=changes)
@@ -82,13 +84,26 @@ class Membership:
         return await self.dht.store(self.key, value, get_dht_time() + self.ttl, subkey=self.subkey)
 
     async def refresh(self) -> dict[str, PeerRecord]:
+        """Look the swarm up again. A peer missing from one lookup stays in the view until ``ttl`` seconds after
+        it was last seen (a lookup that failed or reached few DHT peers is not news that peers left); a peer that
+        announced its leave goes at once."""
         found = await self.dht.get(self.key, latest=True)
+        now = time.monotonic()
         view: dict[str, PeerRecord] = {self.record.peer_id: self.record}
         if found is not None and isinstance(found.value, dict):
             for subkey, item in found.value.items():
                 record = self._parse(subkey, item.value)
-                if record is not None and record.peer_id != self.record.peer_id and record.phase != "leaving":
+                if record is None or record.peer_id == self.record.peer_id:
+                    continue
+                if record.phase == "leaving":
+                    self.seen_at.pop(record.peer_id, None)
+                else:
                     view[record.peer_id] = record
+                    self.seen_at[record.peer_id] = now
+        for peer, record in self.view.items():
+            if peer not in view and now - self.seen_at.get(peer, -float("inf")) < self.ttl:
+                view[peer] = record
+        self.seen_at = {peer: t for peer, t in self.seen_at.items() if peer in view}
         self.view = view
         return view
 

@@ -14,6 +14,7 @@ ratios to global backprop, and the paired relative quality gap with its one-side
 from __future__ import annotations
 
 import contextlib
+import logging
 import multiprocessing as mp
 import os
 import statistics
@@ -41,6 +42,7 @@ class BenchSpec:
     timing_skip: int
     pss_interval: float = 0.2
     run_timeout: float = 3600.0
+    zygote: bool = True  # async methods fork their stages from a zygote (False: spawn them, the old way)
 
 
 @dataclass
@@ -58,6 +60,7 @@ class RunResult:
     bpb: float = float("nan")
     final_loss: float = float("nan")
     startup_s: float = 0.0
+    zygote: bool = False  # the stages were forked from a zygote (sharing torch's pages), not spawned
     leaked_segments: list[str] = field(default_factory=list)
     breakdown: dict[str, Any] = field(default_factory=dict)
 
@@ -95,15 +98,35 @@ def default_timing_skip(lt: LocalTrainConfig, steps: int) -> int:
 
 
 def _run_job(
-    config_dump: dict[str, Any], lt_dump: dict[str, Any], steps: int, skip: int, prefix: str, conn: Any, parent: int
+    config_dump: dict[str, Any],
+    lt_dump: dict[str, Any],
+    steps: int,
+    skip: int,
+    prefix: str,
+    conn: Any,
+    parent: int,
+    zygote: bool = True,
 ) -> None:
-    """One (method, seed) run, in its own spawned process; sends a ``RunResult`` dict back at the end."""
+    """One (method, seed) run, in its own spawned process; sends a ``RunResult`` dict back at the end.
+
+    The async methods fork their stages from a zygote started here before any torch op, so that the stages share
+    torch's imported pages with this process (``swarmtrain.localtrain.zygote``).
+    """
+    from swarmtrain.localtrain.zygote import start_zygote
+
+    config, lt = Config.model_validate(config_dump), LocalTrainConfig.model_validate(lt_dump)
+    server = None
+    if zygote and lt.method in ASYNC_METHODS:
+        try:
+            server = start_zygote(close_fds=[conn])
+        except OSError as exc:  # cannot fork: the pipeline spawns its stages instead
+            logging.getLogger(__name__).warning("no zygote (%s); spawning the stages", exc)
+
     from swarmtrain.data import load_corpus
     from swarmtrain.localtrain.errors import LocalTrainError
     from swarmtrain.localtrain.trainer import LocalTrainer, evaluate_bpb
 
-    config, lt = Config.model_validate(config_dump), LocalTrainConfig.model_validate(lt_dump)
-    result = RunResult(method=lt.method, seed=config.train.seed)
+    result = RunResult(method=lt.method, seed=config.train.seed, zygote=server is not None)
     try:
         start = time.perf_counter()
         corpus = load_corpus(config.data)
@@ -132,6 +155,8 @@ def _run_job(
         if isinstance(exc, KeyboardInterrupt):  # the stages are stopped and unlinked by now; leave quietly
             raise SystemExit(130) from None
     finally:
+        if server is not None:
+            server.close()
         with contextlib.suppress(Exception):
             conn.send(asdict(result))
         conn.close()
@@ -148,7 +173,16 @@ def run_one(spec: BenchSpec, method: str, seed: int) -> RunResult:
     context = mp.get_context("spawn")
     receiver, sender = context.Pipe(duplex=False)
     prefix = new_prefix()
-    args = (config.model_dump(), lt.model_dump(), spec.steps, spec.timing_skip, prefix, sender, os.getpid())
+    args = (
+        config.model_dump(),
+        lt.model_dump(),
+        spec.steps,
+        spec.timing_skip,
+        prefix,
+        sender,
+        os.getpid(),
+        spec.zygote,
+    )
     with thread_env(own_threads):
         proc = context.Process(target=_run_job, args=args, name=f"bench-{method}-{seed}")
         proc.start()
@@ -275,5 +309,6 @@ def run_bench(spec: BenchSpec, on_result: Any = None) -> BenchReport:
         "localtrain": spec.lt.model_dump(),
         "threads": total_threads(spec.lt),
         "data": spec.config.data.path or "python stdlib source",
+        "zygote": spec.zygote,
     }
     return BenchReport(described, results, summarise(results, methods))

@@ -115,6 +115,11 @@ def check_node_config(config: Config) -> None:
     config's validator. Exits are parameters: a node's model must have the same parameter vector as every other
     node's, whatever their trainers, so the exits at the stage boundaries must be in ``model.exits`` itself."""
     lt, model = config.localtrain, config.model
+    if config.train.precision != "fp32":
+        raise ValueError(
+            f"train.precision = {config.train.precision!r} is supported by the standard trainer only; localtrain "
+            "computes in fp32: drop the setting or use train.trainer = 'standard'"
+        )
     try:
         check_config(config, lt)
     except LocalTrainError as exc:

@@ -1,13 +1,14 @@
-"""The async methods: upstream stages in spawned processes, the last stage (the readout's owner) in this one.
+"""The async methods: upstream stages in their own processes, the last stage (the readout's owner) in this one.
 
 This process creates every shared-memory segment (control block, one activation ring per stage boundary, one
 readout-gradient ring per upstream stage for RGC, the readout snapshot, one parameter segment per upstream
-stage), starts the upstream stages, and runs the owner: per step it copies the activation of that step out of
-the last ring, trains its blocks and the readout on the last exit's loss, averages its readout gradient with the
-upstream ones of the same step (``rgc-async``; ``broadcast-async`` uses its own only), steps, and publishes the
-new readout as the next snapshot version. Running the owner here rather than in another child saves one
-process's memory. ``close`` (also on error and Ctrl+C) stops or aborts the stages, reaps them, and unlinks
-every segment in ``finally``.
+stage), starts the upstream stages (forked from this process's zygote if it started one before any torch op, so
+that they share torch's pages with it; else spawned), and runs the owner: per step it copies the activation of
+that step out of the last ring, trains its blocks and the readout on the last exit's loss, averages its readout
+gradient with the upstream ones of the same step (``rgc-async``; ``broadcast-async`` uses its own only), steps,
+and publishes the new readout as the next snapshot version. Running the owner here rather than in another child
+saves one process's memory. ``close`` (also on error and Ctrl+C) stops or aborts the stages, reaps them, and
+unlinks every segment in ``finally``.
 
 Upstream stages run ahead by at most ``ring_depth`` steps per boundary and stop at the *horizon*
 (``train.max_steps`` unless ``set_horizon`` moves it). Gathering or loading parameters needs a drained
@@ -36,6 +37,7 @@ from swarmtrain.localtrain.shm import Segments
 from swarmtrain.localtrain.snapshot import Snapshot
 from swarmtrain.localtrain.stage import Stage, build_stage_module, local_loss, parameter_layout, setup_threads
 from swarmtrain.localtrain.worker import StageSpec, stage_main
+from swarmtrain.localtrain.zygote import ForkedProcess, Zygote, take_zygote
 from swarmtrain.model import VOCAB, ByteTransformer
 
 log = logging.getLogger(__name__)
@@ -67,7 +69,8 @@ class PipelineEngine:
         self.cores: list[list[int] | None] = list(pinned) if pinned else [None] * lt.stages
         setup_threads(self.threads[-1], self.cores[-1])
         self.segments = Segments(prefix)
-        self.procs: list[mp.process.BaseProcess] = []
+        self.procs: list[mp.process.BaseProcess | ForkedProcess] = []
+        self._zygote: Zygote | None = None
         self._rings: list[Ring] = []
         self._param_shms: list = []
         self._closed = False
@@ -109,6 +112,7 @@ class PipelineEngine:
             for i, layout in enumerate(self.layouts)
         ]
         context = mp.get_context("spawn")
+        self._zygote = zygote = take_zygote()
         for i in range(S - 1):
             spec = StageSpec(
                 index=i,
@@ -129,10 +133,16 @@ class PipelineEngine:
                 readout_shape=readout_shape,
                 params=self._param_shms[i].name,
             )
-            with thread_env(self.threads[i]):
-                proc = context.Process(target=stage_main, args=(spec,), name=f"localtrain-stage{i}", daemon=True)
-                proc.start()
+            proc: mp.process.BaseProcess | ForkedProcess
+            if zygote is not None:  # shares torch's pages with this process; the stage sets its threads itself
+                proc = zygote.start(stage_main, (spec,), f"localtrain-stage{i}")
+            else:
+                with thread_env(self.threads[i]):
+                    proc = context.Process(target=stage_main, args=(spec,), name=f"localtrain-stage{i}", daemon=True)
+                    proc.start()
             self.procs.append(proc)
+        if zygote is not None and zygote.subreaper:
+            zygote.close()  # retire it: its stages become this process's children, and its pages are freed
         control.set_pid(S - 1, os.getpid())
         self.owner = Stage(build_stage_module(config, S, S - 1), train)
         self.readout = self.owner.module.readout.weight
@@ -153,7 +163,8 @@ class PipelineEngine:
             failed = control is not None and control.state(i) == StageState.FAILED
             if failed or not proc.is_alive():
                 detail = control.error(i).strip() if control is not None else ""
-                last = detail.splitlines()[-1] if detail else f"it exited with code {proc.exitcode}"
+                code = "" if proc.exitcode is None else f" with code {proc.exitcode}"
+                last = detail.splitlines()[-1] if detail else f"it exited{code}"
                 if detail:
                     log.error("stage %d traceback:\n%s", i, detail)
                 raise StageFailed(
@@ -360,6 +371,8 @@ class PipelineEngine:
                     proc.kill()
                     proc.join(timeout=5.0)
         finally:
+            if self._zygote is not None:
+                self._zygote.close()
             for handle in [*self._rings, self.snapshot, self.control]:
                 if handle is not None:
                     with contextlib.suppress(Exception):

@@ -1,6 +1,7 @@
 """An upstream stage process: its blocks, its optimizer, its local loss, and its ends of the rings.
 
-Started with the ``spawn`` context by the pipeline (the readout's owner). Its loop, per step ``t`` below the
+Started by the pipeline (the readout's owner): forked from the zygote when the process has one
+(``swarmtrain.localtrain.zygote``), else with the ``spawn`` context. Its loop, per step ``t`` below the
 horizon: take the input (bytes for the first stage, else an activation copied out of the ring), run the blocks,
 publish the output activation downstream at once (so the next stage starts while this one runs backward), take
 the freshest readout snapshot (waiting only if it is more than ``ring_depth`` versions per stage of distance
@@ -8,7 +9,9 @@ behind), compute the local loss through the exit, backward, send the readout gra
 version (RGC), step the optimizer. Between steps it answers the parent's commands (gather or load parameters).
 
 It ignores SIGINT (the parent handles Ctrl+C and sets the abort flag) and leaves when the parent asks it to
-stop, aborts, or dies; an error is written into its control slot for the parent to report.
+stop, aborts, or dies (its parent becomes neither the pipeline's process nor the zygote it was forked from,
+which leaves when the pipeline's process dies); an error is written into its control slot for the parent to
+report.
 """
 
 from __future__ import annotations
@@ -75,6 +78,7 @@ class UpstreamWorker:
         self.readout_version = -1
         self.max_lag = spec.ring_depth * (spec.stages - 1 - spec.index)
         self.stats = control.stats(spec.index)
+        self.parent = os.getppid()  # the pipeline's process, or its zygote (which leaves when the pipeline dies)
         self._first_start: float | None = None
 
     def _keep(self, handle: Any) -> Any:
@@ -85,7 +89,7 @@ class UpstreamWorker:
         """Runs during every wait: leave on abort, stop, or the parent's death."""
         if self.control.aborted or self.control.stopping:
             raise Aborted("the run is shutting down")
-        if os.getppid() != self.spec.parent_pid:
+        if os.getppid() not in (self.parent, self.spec.parent_pid):  # the zygote retired: adopted by the pipeline
             raise PeerLost(f"the parent process {self.spec.parent_pid} died")
 
     def run(self) -> None:

@@ -1,7 +1,8 @@
 """Process-level entry points: run a node or a bootstrap peer until Ctrl+C, query the swarm's status.
 
-Ctrl+C (or SIGTERM) leaves gracefully: the node announces its leave, writes a checkpoint and stops its
-daemons; a second Ctrl+C exits at once.
+Ctrl+C (or SIGTERM) leaves gracefully: the node cuts its inner steps short, contributes them to the current
+round and finishes it (bounded by the round's deadline), then announces its leave, writes a checkpoint and
+stops its daemons; a second Ctrl+C exits at once.
 """
 
 from __future__ import annotations
@@ -25,8 +26,10 @@ from swarmtrain.dht import PeerRecord
 from swarmtrain.node.node import Node, NodeError, join_line, start_dht, start_p2p
 
 
-def run_until_interrupted(main: Callable[[], Awaitable[None]]) -> None:
-    """Run ``main`` in a uvloop loop; the first SIGINT/SIGTERM cancels it (clean leave), the second exits."""
+def run_until_interrupted(main: Callable[[], Awaitable[None]], leave: Callable[[], float] | None = None) -> None:
+    """Run ``main`` in a uvloop loop until it returns. The first SIGINT/SIGTERM calls ``leave()``, which starts a
+    clean leave and returns the seconds it may take, then cancels ``main`` after them (at once without
+    ``leave``); the second exits at once."""
 
     async def runner() -> None:
         task = asyncio.current_task()
@@ -39,7 +42,7 @@ def run_until_interrupted(main: Callable[[], Awaitable[None]]) -> None:
             signals += 1
             if signals == 1:
                 print("leaving the swarm gracefully (press Ctrl+C again to exit at once)", flush=True)
-                task.cancel()
+                loop.call_later(leave() if leave is not None else 0.0, task.cancel)
             else:
                 os._exit(130)
 
@@ -52,7 +55,8 @@ def run_until_interrupted(main: Callable[[], Awaitable[None]]) -> None:
 
 
 def run_node(config: Config, resume: bool = False) -> None:
-    run_until_interrupted(Node(config, resume).run)
+    node = Node(config, resume)
+    run_until_interrupted(node.run, leave=node.request_leave)
 
 
 def run_bootstrap(config: Config) -> None:

@@ -74,6 +74,10 @@ class InnerLoop(ABC):
         with self._busy:
             return self._evaluate()
 
+    def interrupt(self) -> None:
+        """Make a running ``run`` return after its current step, without waiting (safe from any thread)."""
+        self._stopping.set()
+
     def stop(self) -> None:
         """Make a running ``run`` return after its current step and wait for whatever is in flight."""
         self._stopping.set()

@@ -38,6 +38,8 @@ from swarmtrain.train import Checkpoint, configure_threads, save_checkpoint
 
 log = logging.getLogger(__name__)
 
+P2P_ATTEMPTS = 3  # starts of the p2p daemon when none of the peers in node.join answered
+
 
 class NodeError(SwarmtrainError):
     """The node cannot start or reach the swarm."""
@@ -50,14 +52,21 @@ async def start_p2p(config: Config, identity: Path | None, client: bool = False)
     if identity is not None:
         identity.parent.mkdir(parents=True, exist_ok=True)
         kwargs["identity_path"] = str(identity)
-    try:
-        return await P2P.create(initial_peers=node.join or None, **kwargs)
-    except Exception as exc:
-        raise NodeError(
-            f"node error: could not start the p2p daemon or reach the peers in node.join ({exc}). Check that "
-            "each --join address is the full line a running peer printed and that its port is reachable; "
-            "`swarmtrain status --join ADDR` tests one address."
-        ) from None
+    for attempt in range(P2P_ATTEMPTS):
+        try:
+            return await P2P.create(initial_peers=node.join or None, **kwargs)
+        except Exception as exc:
+            error = exc
+            if not node.join or attempt + 1 == P2P_ATTEMPTS:
+                break
+            # The daemon gives up on its bootstrap peers within a second or two; a busy peer may answer later.
+            log.warning("could not reach the peers in node.join (%s); trying again", exc)
+            await asyncio.sleep(2.0 * (attempt + 1))
+    raise NodeError(
+        f"node error: could not start the p2p daemon or reach the peers in node.join ({error}). Check that "
+        "each --join address is the full line a running peer printed and that its port is reachable; "
+        "`swarmtrain status --join ADDR` tests one address."
+    ) from None
 
 
 async def start_dht(p2p: P2P, config: Config, private_key: RSAPrivateKey, client: bool = False) -> DHTNode:
@@ -88,6 +97,19 @@ class Node:
         self.metrics_path = self.run_dir / "metrics.jsonl"
         self.numel = 0
         self.observe = False  # sit out the training of the round we just caught up into
+        self.leaving = False  # Ctrl+C: contribute what this round has, finish it, then leave
+        self._trainer: InnerLoop | None = None
+        self._averager: Averager | None = None
+
+    def request_leave(self) -> float:
+        """Leave gracefully: cut the inner steps short, contribute them to the current round, finish that round,
+        then leave. Returns the seconds that may take (the caller cancels the node after them)."""
+        self.leaving = True
+        if self._trainer is not None:
+            self._trainer.interrupt()
+        avg = self.config.averaging
+        deadline = self._averager.deadline_s() if self._averager is not None else 3 * avg.min_deadline_s
+        return avg.min_gather_s + 2 * deadline + 5.0
 
     async def run(self) -> None:
         config, node, avg = self.config, self.config.node, self.config.averaging
@@ -117,6 +139,7 @@ class Node:
                 fail_at=avg.fail_at, error_feedback=avg.error_feedback,
                 shapes=trainer.shapes,
             )  # fmt: skip
+            self._trainer, self._averager = trainer, averager
             if checkpoint is not None:
                 self._restore(checkpoint, trainer, averager)
             await averager.start()
@@ -192,7 +215,7 @@ class Node:
                     return
             if time.monotonic() > deadline:
                 log.warning("could not catch up with the swarm; training on from my own state")
-                averager.needs_catch_up = False
+                averager.go_solo()
                 return
             await asyncio.sleep(self.config.node.heartbeat_s)
             await membership.refresh()
@@ -230,7 +253,9 @@ class Node:
         started = time.perf_counter()
         last_inner = 0.0
         while node.rounds == 0 or averager.round < node.rounds:
-            if config.train.max_time is not None and time.perf_counter() - started > config.train.max_time:
+            if self.leaving or (
+                config.train.max_time is not None and time.perf_counter() - started > config.train.max_time
+            ):
                 break
             if averager.needs_catch_up:
                 await self._catch_up(averager, membership, trainer, wait_s=max(30.0, 4 * last_inner))
@@ -243,13 +268,15 @@ class Node:
             else:
                 loss, tokens, inner_s = await asyncio.to_thread(trainer.run, node.inner_steps)
                 last_inner = inner_s
-            membership.update(phase="averaging", tokens_per_s=tokens / max(last_inner, 1e-9))
+                if self.leaving and tokens == 0:
+                    break  # asked to leave before a single step of this round: nothing to contribute
+            membership.update(phase="averaging", tokens_per_s=tokens / max(last_inner, 1e-9), inner_s=last_inner)
             await membership.publish()
             sent, received = transport.counter.sent, transport.counter.received
             delta = averager.outer.theta - trainer.vector()
             live = list(membership.view)
             candidates = leader_candidates(live, averager.me, averager.group_size, node.run_id, averager.round)
-            gather = max(config.averaging.min_gather_s, 0.5 * last_inner)
+            gather = self._gather_timeout(membership, set(candidates), last_inner)
             averager.matchmaker.join_timeout = max(30.0, 3 * last_inner)  # a slow leader, not a dead one
             try:
                 outcome = await averager.run_round(delta, float(tokens), candidates, set(candidates), gather)
@@ -266,10 +293,30 @@ class Node:
             self._log_round(outcome, loss, tokens, transport, sent, received, bpb, started)
             if averager.round % node.checkpoint_every == 0:
                 self._checkpoint(trainer, averager)
+            if self.leaving:
+                with contextlib.suppress(Exception):  # at once: the others must not wait for me next round
+                    await asyncio.wait_for(membership.leave(), 3.0)
+                log.info("left after finishing round %d", outcome.round)
+                break
         bpb = await asyncio.to_thread(trainer.evaluate)
         self._append({"kind": "final", "peer_id": averager.me, "round": averager.round, "bpb": bpb,
                       "elapsed_s": round(time.perf_counter() - started, 3), "tokens": trainer.tokens})  # fmt: skip
         print(f"node {averager.me[-8:]}: {averager.round} rounds, held-out bpb {bpb:.3f}", flush=True)
+
+    def _gather_timeout(self, membership: Membership, expected: set[str], last_inner: float) -> float:
+        """How long this node, as leader, waits for expected members that have not joined yet.
+
+        At least ``averaging.min_gather_s`` or half my inner phase; for peers with longer inner phases (another H,
+        a slower machine), up to the end of theirs, but never more than twice my own: a slower peer does not
+        hold the group, its update joins a later round (the staleness rule). A node that has not trained yet
+        (a joiner observing its first round) waits for the others' whole inner phase.
+        """
+        floor = max(self.config.averaging.min_gather_s, 0.5 * last_inner)
+        peers = [r.inner_s for p, r in membership.view.items() if p in expected and p != membership.record.peer_id]
+        slowest = max(peers, default=0.0)
+        if last_inner > 0:
+            slowest = min(slowest, 2 * last_inner)
+        return max(floor, 1.25 * slowest - last_inner)
 
     def _log_round(
         self, outcome: RoundOutcome, loss: float, tokens: int, transport: Any, sent: int, received: int,
@@ -300,6 +347,8 @@ class Node:
             record["bpb"] = bpb
         if outcome.spread is not None:
             record["spread"] = outcome.spread
+        if outcome.phases:
+            record["phases"] = outcome.phases
         self._append(record)
         log.info(
             "round %d: %s in a group of %d, loss %.3f, %.2f s, digest %s",

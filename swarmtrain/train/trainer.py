@@ -59,8 +59,9 @@ class Trainer:
         for group in self.optimizer.param_groups:
             group["lr"] = self.lr_at(self.step)
         self.model.train()
-        logits = self.model(batch[:, :-1])
-        loss = F.cross_entropy(logits.reshape(-1, VOCAB), batch[:, 1:].reshape(-1))
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=t.precision == "bf16"):
+            logits = self.model(batch[:, :-1])
+        loss = F.cross_entropy(logits.float().reshape(-1, VOCAB), batch[:, 1:].reshape(-1))
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
         if t.grad_clip > 0:
