@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
+from abc import ABC, abstractmethod
 from collections import Counter
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
@@ -131,7 +132,7 @@ class AllReduceResult:
         return all(self.applied) and not self.excluded
 
 
-class GroupExchange:
+class GroupExchange(ABC):
     """What every way of averaging a group's updates shares: membership checks, liveness, the report
     exchange that decides which contributions every member applies, and the digest exchange.
 
@@ -185,8 +186,9 @@ class GroupExchange:
     async def on_results(self, sender: str, header: dict[str, Any], frames: AsyncIterator[bytes]) -> None:
         raise Rejected("this round takes no results")
 
+    @abstractmethod
     async def run(self) -> AllReduceResult:
-        raise NotImplementedError
+        """Move the payloads, agree on what is applied, and return the average."""
 
     def on_report(self, sender: str, header: dict[str, Any]) -> None:
         self._check_member(sender)
