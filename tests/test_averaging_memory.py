@@ -109,8 +109,10 @@ async def test_bad_payload_excludes_the_sender_but_keeps_replicas_identical() ->
     assert outcomes[0].digest == outcomes[1].digest
     assert torch.isfinite(averagers[0].outer.theta).all()
     assert all("peer2" in o.excluded for o in outcomes[:2])
-    # The others stop talking to the bad sender: nobody confirms its state, so it catches up before its next round.
-    assert [o.outcome for o in outcomes] == ["fallback", "fallback", "diverged"] and averagers[2].needs_catch_up
+    # The others still send the bad sender their reports and digests, so it applies the same fallback and ends
+    # with their state: nothing to catch up.
+    assert [o.outcome for o in outcomes] == ["fallback"] * 3 and outcomes[2].digest == outcomes[0].digest
+    assert not averagers[2].needs_catch_up
 
 
 async def test_a_diverged_node_contributes_nothing_and_still_receives_the_average() -> None:

@@ -134,8 +134,9 @@ def test_a_stopped_node_resumes_and_rejoins_in_step(swarm: Swarm, stop: signal.S
     """Three nodes; c stops (Ctrl+C-like, or kill -9 of it and its daemon after a checkpoint), a and b go on,
     c comes back with --resume: it downloads the state it missed and every round it logs from then on ends
     with a's digest; it contributes again from the round after it caught up."""
-    # Inner phases longer than a state download, so the resumed node sits in on the round it caught up into.
-    settings = ["node.checkpoint_every=2", "node.inner_steps=60"]
+    # Inner phases (about 2 s here) well past a state download, so the resumed node sits in on the round it
+    # caught up into.
+    settings = ["node.checkpoint_every=2", "node.inner_steps=200"]
     swarm.start("a", 0, extra=["node.min_peers=3", *settings])  # rounds 0: all run until interrupted
     first = swarm.join_line("a")
     for name in ("b", "c"):
@@ -167,8 +168,9 @@ def test_a_stopped_node_resumes_and_rejoins_in_step(swarm: Swarm, stop: signal.S
 
     after = swarm.rounds("c")[saved:]
     digests = {r["round"]: r["digest"] for r in swarm.rounds("a")}
-    # Every round c took part in ends with a's digest. The round it caught up into may have formed its group
-    # before c could sit in as an observer: c logs that one as diverged (no group) and catches up again.
+    # Every round c took part in ends with a's digest. (A round it caught up into that formed its group before c
+    # could sit in is not logged: c catches up again. One round may still split under load: a dial to c's new
+    # daemon right after the restart can fail.)
     joined = [r for r in after if r["outcome"] != "diverged" and r["round"] in digests]
     assert len(joined) >= 3 and all(digests[r["round"]] == r["digest"] for r in joined), after
     assert len(after) - len([r for r in after if r["outcome"] != "diverged"]) <= 1, after

@@ -41,8 +41,10 @@ PING_INTERVAL = 0.5
 # peer cannot push every replica's theta_g to inf through the outer optimizer.
 MAX_ABS_VALUE = 1e4
 PING_TIMEOUT = 1.5
+PING_FAILURES = 2  # failed pings in a row that declare a peer gone for the round
 SMALL_ATTEMPTS = 3  # tries of a report or digest over streams that break (a live peer waits for it otherwise)
 RETRY_PAUSE = 0.2
+GONE_SEND_S = 3.0  # how long a report or digest to a member counted as gone may take (it is not waited on)
 
 
 class Liveness:
@@ -71,6 +73,8 @@ class Liveness:
         return self.event(peer)
 
     async def _ping_loop(self, peer: str) -> None:
+        # Two failures in a row, of either kind: under load a live peer's stream can break once (an
+        # IncompleteReadError), and a peer wrongly declared dead costs the whole group a fallback shard.
         failures = 0
         while peer not in self.dead:
             try:
@@ -78,7 +82,7 @@ class Liveness:
                 failures = 0
             except (PeerUnreachable, RpcTimeout) as exc:
                 failures += 1
-                if failures >= 2 or isinstance(exc, PeerUnreachable):
+                if failures >= PING_FAILURES:
                     self.mark_dead(peer, f"ping failed: {exc}")
             except RpcError:
                 failures = 0
@@ -169,6 +173,7 @@ class GroupExchange(ABC):
         self.digests_in = {p: asyncio.Event() for p in group.members}
         self.on_part_sent = on_part_sent
         self.parts_sent = 0
+        self._background: set[asyncio.Future[None]] = set()  # sends to members counted as gone
 
     def _check_member(self, sender: str) -> int:
         if sender not in self.group.members:
@@ -221,12 +226,19 @@ class GroupExchange(ABC):
     async def _stream(
         self, peer: str, method: str, header: dict[str, Any], frames: AsyncIterator[bytes], count: int, deadline: float
     ) -> bool:
-        """Stream ``count`` frames to ``peer`` on one stream; on a dead peer mark it and return False."""
+        """Stream ``count`` frames to ``peer`` on one stream; False if it broke or ran out of time.
+
+        A stream that breaks is not proof of death (under load its answer can be cut after every frame went
+        through): the peer is pinged from then on and counted gone only if the pings fail too.
+        """
         timeout = deadline - asyncio.get_running_loop().time()
         try:
             await self.transport.call_stream(peer, method, header, frames, count=count, timeout=max(timeout, 0.01))
             return True
-        except (PeerUnreachable, RpcTimeout) as exc:
+        except PeerUnreachable as exc:
+            log.info("%s; pinging %s", exc, peer[-8:])
+            self.liveness.watch(peer)
+        except RpcTimeout as exc:
             self.liveness.mark_dead(peer, str(exc))
         except RemoteError as exc:
             self._refused(peer, exc)
@@ -235,11 +247,28 @@ class GroupExchange(ABC):
     async def _exchange(
         self, method: str, payload: dict[str, Any], inbox: dict[str, asyncio.Event], deadline: float
     ) -> None:
-        others = [p for p in self.group.members if p != self.me and p not in self.liveness.dead]
+        """Send my report or digest to every member and wait for theirs from the members still live.
+
+        Members I count as gone get mine too, without waiting on them: one I gave up on wrongly (a broken
+        stream under load) would otherwise wait for it until the deadline, and hold the round's reports in a
+        different view than everyone else.
+        """
         header = {**self.header, **payload}
-        await asyncio.gather(*(self._send_small(p, method, header, deadline) for p in others))
+        others = [p for p in self.group.members if p != self.me]
+        loop = asyncio.get_running_loop()
+        sends = {}
         for peer in others:
-            await wait_or_dead(inbox[peer], self.liveness.watch(peer), deadline)
+            gone = peer in self.liveness.dead
+            until = min(deadline, loop.time() + GONE_SEND_S) if gone else deadline
+            sends[peer] = asyncio.ensure_future(self._send_small(peer, method, header, until))
+        for peer in others:
+            if peer not in self.liveness.dead:
+                await wait_or_dead(inbox[peer], self.liveness.watch(peer), deadline)
+        for peer, task in sends.items():  # what I send to members gone by now finishes in the background
+            if peer in self.liveness.dead:
+                self._background.add(task)
+                task.add_done_callback(self._background.discard)
+        await asyncio.gather(*(t for t in sends.values() if t not in self._background))
 
     async def _send_small(self, peer: str, method: str, header: dict[str, Any], deadline: float) -> None:
         """Send a report or digest; a broken stream is retried (the peer would otherwise wait for it until the

@@ -113,7 +113,8 @@ class Averager:
         return self.outer.theta.numel()
 
     def deadline_s(self) -> float:
-        """All-reduce deadline: a floor, or a multiple of the slowest recent all-reduce (adapts to the link)."""
+        """All-reduce deadline: a floor, or a multiple of the slowest recent complete transfer (adapts to the
+        link and the model size)."""
         recent = self._durations[-5:]
         return max(self.min_deadline, self.deadline_factor * max(recent)) if recent else self.min_deadline * 3
 
@@ -295,7 +296,10 @@ class Averager:
         finally:
             self._forget(allreduce)
         phases["confirm_s"] = time.perf_counter() - confirm_started
-        self._durations.append(time.perf_counter() - allreduce_started)
+        if result.complete:
+            # The next deadline follows what moving the payloads took, not time spent waiting on a member that
+            # died or stalled: that wait is bounded by this deadline and would make the next one longer still.
+            self._durations.append(result.phases.get("transfer_s", 0.0) + result.phases.get("report_s", 0.0))
         outcome = "applied" if result.complete else "fallback"
         votes = sum(1 for d in allreduce.digests.values() if d == agreed)
         confirmed = votes * 2 > group.size and any(p != self.me for p, d in allreduce.digests.items() if d == agreed)

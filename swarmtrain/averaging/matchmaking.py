@@ -63,7 +63,7 @@ class Matchmaker:
     async def on_join(self, sender: str, header: dict[str, Any], current_round: int) -> dict[str, Any]:
         round_ = header.get("round")
         if not isinstance(round_, int) or round_ < current_round:
-            raise Rejected(f"round {round_!r} is over (this peer is at round {current_round})")
+            raise Rejected(f"round {round_!r} is over (this peer is at round {current_round})", code="over")
         if round_ > current_round + 1:
             raise Rejected(f"round {round_} is too far ahead of this peer's round {current_round}")
         weight = check_weight(header.get("weight"))
@@ -128,6 +128,8 @@ class Matchmaker:
                         f"this node cannot train with the swarm: the peer answered: {exc}"
                     ) from None
                 log.info("round %d: could not join %s: %s", round_, candidate[-8:], exc)
+                if weight == 0 and isinstance(exc, RemoteError) and exc.code == "over":
+                    break  # an observer behind the swarm: nothing to lead with, catch up again at once
                 continue
             if "redirect" in answer:
                 target = answer["redirect"]

@@ -35,7 +35,7 @@ class PeerRecord(BaseModel):
     proto: int
     run_id: str = Field(max_length=128)
     round: int = Field(ge=0)
-    phase: str = Field(max_length=16)  # training | averaging | syncing | bootstrap | leaving
+    phase: str = Field(max_length=16)  # training | averaging | syncing | bootstrap | done | leaving
     tokens_per_s: float = Field(ge=0.0)
     batch_size: int = Field(ge=0)
     digest: str = Field("", max_length=64)

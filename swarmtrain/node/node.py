@@ -260,7 +260,8 @@ class Node:
             if averager.needs_catch_up:
                 await self._catch_up(averager, membership, trainer, wait_s=max(30.0, 4 * last_inner))
             membership.update(round=averager.round, phase="training")
-            if self.observe:
+            observing = self.observe
+            if observing:
                 # Just synced while the others train this round: join its group at once as an observer
                 # (weight 0, no update) and receive its average, so from the next round on we are in step.
                 self.observe = False
@@ -286,6 +287,11 @@ class Node:
                 averager.needs_catch_up = True
                 continue
             self._load_theta(trainer, averager)
+            if observing and outcome.group.size == 1:
+                # The round I caught up into was over before I could sit in (its group formed while I downloaded):
+                # still syncing, not a round I took part in. Catch up with the next one.
+                log.info("round %d was over before I could sit in; catching up again", outcome.round)
+                continue
             membership.update(round=averager.round, digest=outcome.digest)
             bpb = None
             if node.eval_every and averager.round % node.eval_every == 0:
@@ -298,10 +304,39 @@ class Node:
                     await asyncio.wait_for(membership.leave(), 3.0)
                 log.info("left after finishing round %d", outcome.round)
                 break
+        if not self.leaving:
+            await self._finish(trainer, averager, membership, last_inner)
         bpb = await asyncio.to_thread(trainer.evaluate)
         self._append({"kind": "final", "peer_id": averager.me, "round": averager.round, "bpb": bpb,
                       "elapsed_s": round(time.perf_counter() - started, 3), "tokens": trainer.tokens})  # fmt: skip
         print(f"node {averager.me[-8:]}: {averager.round} rounds, held-out bpb {bpb:.3f}", flush=True)
+
+    async def _finish(self, trainer: InnerLoop, averager: Averager, membership: Membership, last_inner: float) -> None:
+        """The end of a run of fixed length (``--rounds``), so the swarm ends it holding one model.
+
+        A node left out of its last round catches up with the others' final state instead of ending on its own;
+        a node in step serves its final state a while longer to peers that are not (bounded: ``node.record_ttl_s``
+        past the last sight of a dead one, a few all-reduce deadlines for a live one).
+        """
+        if averager.needs_catch_up:
+            await self._catch_up(averager, membership, trainer, wait_s=max(30.0, 4 * last_inner))
+        mine = (averager.round, averager.outer.digest())
+        membership.update(round=mine[0], digest=mine[1], phase="done")
+        await membership.publish()
+        until = time.monotonic() + self.config.averaging.min_gather_s + 4 * averager.deadline_s()
+        waiting: set[str] = set()
+        while time.monotonic() < until:
+            behind = {
+                p for p, r in membership.view.items()
+                if r.phase != "done" and r.round <= mine[0] and (r.round, r.digest) != mine
+            }  # fmt: skip
+            if not behind:
+                return
+            if behind - waiting:
+                log.info("serving the final state to %d peers that are not in step yet", len(behind))
+            waiting = behind
+            await asyncio.sleep(self.config.node.heartbeat_s)
+            await membership.refresh()
 
     def _gather_timeout(self, membership: Membership, expected: set[str], last_inner: float) -> float:
         """How long this node, as leader, waits for expected members that have not joined yet.
