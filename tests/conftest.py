@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import multiprocessing as mp
 import random
 from collections.abc import Iterator
 from pathlib import Path
@@ -7,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from swarmtrain.config import Config, load_config
+from swarmtrain.localtrain.shm import leftover_segments, new_prefix, sweep
 
 from .swarm import TINY, Swarm
 
@@ -64,3 +66,26 @@ def swarm(tmp_path: Path, text_file: Path) -> Iterator[Swarm]:
         yield s
     finally:
         s.close()
+
+
+def localtrain_config(tmp_path: Path, data: Path, steps: int) -> Config:
+    """The tiny model four blocks deep, so localtrain can cut it into stages."""
+    return tiny_config(tmp_path, data, **{"model.depth": 4, "train.max_steps": steps, "train.warmup_steps": 2})
+
+
+@pytest.fixture
+def reap_children() -> Iterator[None]:
+    """Kill and join the multiprocessing children a test left running (use with ``pytest.mark.usefixtures``)."""
+    yield
+    for proc in mp.active_children():
+        proc.kill()
+        proc.join(timeout=5)
+
+
+@pytest.fixture
+def prefix() -> Iterator[str]:
+    """A fresh /dev/shm name prefix; the test fails if any segment under it is left behind."""
+    name = new_prefix()
+    yield name
+    assert leftover_segments(name) == []
+    sweep(name)

@@ -22,32 +22,12 @@ from swarmtrain.localtrain.control import Control
 from swarmtrain.localtrain.errors import LocalTrainError, StageFailed
 from swarmtrain.localtrain.pss import process_tree, tree_pss_mib
 from swarmtrain.localtrain.ring import wait_until
-from swarmtrain.localtrain.shm import leftover_segments, new_prefix, sweep
+from swarmtrain.localtrain.shm import leftover_segments
 from swarmtrain.localtrain.trainer import LocalTrainer
-from tests.conftest import tiny_config
+from tests.conftest import localtrain_config
 
 CTX = mp.get_context("spawn")
-pytestmark = pytest.mark.timeout(90)
-
-
-@pytest.fixture(autouse=True)
-def reap_children():
-    yield
-    for proc in mp.active_children():
-        proc.kill()
-        proc.join(timeout=5)
-
-
-@pytest.fixture
-def prefix():
-    name = new_prefix()
-    yield name
-    assert leftover_segments(name) == []
-    sweep(name)
-
-
-def small(tmp_path: Path, text_file: Path, steps: int) -> Config:
-    return tiny_config(tmp_path, text_file, **{"model.depth": 4, "train.max_steps": steps, "train.warmup_steps": 2})
+pytestmark = [pytest.mark.usefixtures("reap_children"), pytest.mark.timeout(90)]
 
 
 def async_lt(method: str = "rgc-async") -> LocalTrainConfig:
@@ -55,7 +35,7 @@ def async_lt(method: str = "rgc-async") -> LocalTrainConfig:
 
 
 def test_rgc_async_trains_gathers_and_loads(tmp_path: Path, text_file: Path, prefix: str) -> None:
-    config = small(tmp_path, text_file, steps=12)
+    config = localtrain_config(tmp_path, text_file, steps=12)
     corpus = load_corpus(config.data)
     with LocalTrainer(config, corpus, async_lt(), prefix=prefix, horizon=6) as trainer:
         engine = trainer.engine
@@ -86,7 +66,7 @@ def test_rgc_async_trains_gathers_and_loads(tmp_path: Path, text_file: Path, pre
 
 
 def test_a_killed_stage_fails_the_run_quickly_and_cleanly(tmp_path: Path, text_file: Path, prefix: str) -> None:
-    config = small(tmp_path, text_file, steps=1000)
+    config = localtrain_config(tmp_path, text_file, steps=1000)
     corpus = load_corpus(config.data)
     trainer = LocalTrainer(config, corpus, async_lt("broadcast-async"), prefix=prefix)
     try:
@@ -112,7 +92,7 @@ def run_until_interrupted(config_dump: dict, prefix: str) -> None:
 
 
 def test_ctrl_c_stops_every_process_and_unlinks_every_segment(tmp_path: Path, text_file: Path, prefix: str) -> None:
-    config = small(tmp_path, text_file, steps=100_000)
+    config = localtrain_config(tmp_path, text_file, steps=100_000)
     run = CTX.Process(target=run_until_interrupted, args=(config.model_dump(), prefix))
     run.start()
     # Wait until both stages train (the control block says so), then interrupt.

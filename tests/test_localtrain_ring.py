@@ -20,7 +20,7 @@ from swarmtrain.localtrain.shm import Segments, attach_segment, close_segment, l
 from swarmtrain.localtrain.snapshot import Snapshot
 
 CTX = mp.get_context("spawn")
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.usefixtures("reap_children"), pytest.mark.timeout(60)]
 
 EXIT_CLOSED, EXIT_LOST, EXIT_BAD = 0, 7, 3
 
@@ -31,14 +31,6 @@ def segments():
     yield segs
     segs.unlink_all()
     assert leftover_segments(segs.prefix) == []
-
-
-@pytest.fixture(autouse=True)
-def reap_children():
-    yield
-    for proc in mp.active_children():
-        proc.kill()
-        proc.join(timeout=5)
 
 
 def item(i: int) -> np.ndarray:

@@ -22,30 +22,10 @@ from swarmtrain.localtrain.pss import process_tree
 from swarmtrain.localtrain.ring import wait_until
 from swarmtrain.localtrain.shm import leftover_segments, new_prefix, pid_alive, sweep
 from swarmtrain.localtrain.zygote import current_zygote
-from tests.conftest import tiny_config
+from tests.conftest import localtrain_config
 
 CTX = mp.get_context("spawn")
-pytestmark = pytest.mark.timeout(120)
-
-
-@pytest.fixture(autouse=True)
-def reap_children():
-    yield
-    for proc in mp.active_children():
-        proc.kill()
-        proc.join(timeout=5)
-
-
-@pytest.fixture
-def prefix():
-    name = new_prefix()
-    yield name
-    assert leftover_segments(name) == []
-    sweep(name)
-
-
-def small(tmp_path: Path, text_file: Path, steps: int) -> Config:
-    return tiny_config(tmp_path, text_file, **{"model.depth": 4, "train.max_steps": steps, "train.warmup_steps": 2})
+pytestmark = [pytest.mark.usefixtures("reap_children"), pytest.mark.timeout(120)]
 
 
 def async_lt() -> LocalTrainConfig:
@@ -132,7 +112,7 @@ def train_with_zygote(config_dump: dict, prefix: str, out: str, kill_stage: bool
 def test_async_stages_fork_from_the_zygote_and_are_reaped(
     tmp_path: Path, text_file: Path, prefix: str, kill_stage: bool
 ) -> None:
-    config = small(tmp_path, text_file, steps=1000)
+    config = localtrain_config(tmp_path, text_file, steps=1000)
     out = tmp_path / "report.json"
     run = CTX.Process(target=train_with_zygote, args=(config.model_dump(), prefix, str(out), kill_stage))
     run.start()
@@ -167,7 +147,7 @@ def run_until_interrupted(config_dump: dict, prefix: str) -> None:
 
 def start_training(tmp_path: Path, text_file: Path, prefix: str) -> tuple[mp.process.BaseProcess, list[int]]:
     """A run process with a zygote, once both stages train; returns it with its process tree."""
-    config = small(tmp_path, text_file, steps=100_000)
+    config = localtrain_config(tmp_path, text_file, steps=100_000)
     run = CTX.Process(target=run_until_interrupted, args=(config.model_dump(), prefix))
     run.start()
 
