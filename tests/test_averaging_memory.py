@@ -115,6 +115,29 @@ async def test_bad_payload_excludes_the_sender_but_keeps_replicas_identical() ->
     assert not averagers[2].needs_catch_up
 
 
+async def test_a_member_whose_join_answer_was_lost_asks_again_and_averages_with_the_group() -> None:
+    """Under load a join's answer can be cut after the leader put the member in its group: the member asks the
+    same leader again and gets that group, instead of leading alone while the group waits for it in vain."""
+    net, averagers = make_swarm(3)
+    for a in averagers:
+        await a.start()
+    transport = averagers[2].transport
+    original = transport.call_stream
+    lost: list[str] = []
+
+    async def answer_lost_once(peer, method, header, frames, *, count, timeout):
+        answer = await original(peer, method, header, frames, count=count, timeout=timeout)
+        if method == "join" and not lost:
+            lost.append(peer)
+            raise PeerUnreachable(f"join to {peer}: stream reset")
+        return answer
+
+    transport.call_stream = answer_lost_once
+    outcomes = await run_round(averagers, [torch.randn(NUMEL) for _ in averagers], [1.0] * 3)
+    assert lost == ["peer0"]
+    assert [o.outcome for o in outcomes] == ["applied"] * 3 and len({o.digest for o in outcomes}) == 1
+
+
 async def test_a_diverged_node_contributes_nothing_and_still_receives_the_average() -> None:
     net, averagers = make_swarm(3)
     for a in averagers:

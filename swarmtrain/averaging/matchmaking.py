@@ -72,6 +72,8 @@ class Matchmaker:
             raise Rejected("join must carry the digest of the joiner's theta_g")
         lobby = self._lobby(round_)
         if lobby.result.done():
+            if sender in lobby.result.result().members:  # asking again: the answer to its first join was lost
+                return self._answer(lobby.result.result())
             raise Rejected(f"the group of round {round_} is already formed")
         if lobby.redirect is not None:
             return {"redirect": lobby.redirect}
@@ -87,12 +89,18 @@ class Matchmaker:
             group = lobby.result.result()
             if sender not in group.members:
                 raise Rejected(f"the group of round {round_} is full")
-            answer = {"members": list(group.members), "weights": list(group.weights), "mixed": group.mixed}
-            return {**answer, "deadline_s": group.deadline_s}
+            return self._answer(group)
         lobby.joined.pop(sender, None)
         if lobby.redirect is not None:
             return {"redirect": lobby.redirect}
         raise Rejected(f"the leader of round {round_} was not ready in time")
+
+    @staticmethod
+    def _answer(group: Group) -> dict[str, Any]:
+        return {
+            "members": list(group.members), "weights": list(group.weights), "mixed": group.mixed,
+            "deadline_s": group.deadline_s,
+        }  # fmt: skip
 
     async def form_group(
         self,
@@ -106,7 +114,7 @@ class Matchmaker:
     ) -> Group:
         """Meet the others of my gossip group for ``round_``; a group of one if nobody can be reached."""
         lobby = self._lobby(round_)
-        queue, tried = list(candidates), set()
+        queue, tried, broken = list(candidates), set(), set()
         # A peer that redirects to a leader I found dead is failing over itself; it may take a few pings.
         retry_until = asyncio.get_running_loop().time() + gather_timeout + 5.0
         while queue:
@@ -130,6 +138,13 @@ class Matchmaker:
                 log.info("round %d: could not join %s: %s", round_, candidate[-8:], exc)
                 if weight == 0 and isinstance(exc, RemoteError) and exc.code == "over":
                     break  # an observer behind the swarm: nothing to lead with, catch up again at once
+                if isinstance(exc, PeerUnreachable) and candidate not in broken:
+                    # The stream broke, maybe after the leader put me in its group: ask once more (a leader
+                    # answers a repeated join with the group it formed), or the group waits for me in vain.
+                    broken.add(candidate)
+                    tried.discard(candidate)
+                    queue.insert(0, candidate)
+                    await asyncio.sleep(0.2)
                 continue
             if "redirect" in answer:
                 target = answer["redirect"]
@@ -163,7 +178,7 @@ class Matchmaker:
                 try:
                     await self.transport.call(leader, "ping", self.header, timeout=1.5)
                     misses = 0
-                except RpcTimeout:
+                except (RpcTimeout, PeerUnreachable):  # one broken ping under load is not a dead leader
                     misses += 1
                     if misses >= 2:
                         raise
