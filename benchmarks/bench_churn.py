@@ -39,8 +39,6 @@ import os
 import random
 import signal
 import statistics
-import subprocess
-import sys
 import time
 from pathlib import Path
 from tempfile import TemporaryDirectory
@@ -48,7 +46,7 @@ from typing import Any
 
 import torch
 
-from swarmtrain.node.demo import read_metrics, wait_for_join_line
+from swarmtrain.node.demo import read_metrics, start_node, wait_for_join_line
 
 SETTINGS = [
     "model.depth=2",
@@ -101,18 +99,6 @@ def daemon_alive(pgid: int) -> bool:
 # ---- swarmtrain ------------------------------------------------------------------------------------------------
 
 
-def start_node(run_dir: Path, rounds: int, join: str | None, settings: list[str]) -> subprocess.Popen[bytes]:
-    run_dir.mkdir(parents=True, exist_ok=True)
-    args = [sys.executable, "-m", "swarmtrain", "node", "--run-dir", str(run_dir), "--rounds", str(rounds)]
-    for item in settings:
-        args += ["--set", item]
-    if join:
-        args += ["--join", join]
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SWARMTRAIN_")}
-    log = open(run_dir / "node.log", "wb")  # noqa: SIM115 (the child owns it for its lifetime)
-    return subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-
-
 def run_swarm(
     nodes: int, rounds: int, root: Path, kills: dict[int, tuple[int, float]], kill_daemons: bool, extra: list[str]
 ) -> dict[str, Any]:
@@ -120,13 +106,13 @@ def run_swarm(
     round before ``round``, i.e. during its round ``round``."""
     settings = [*SETTINGS, *extra, f"node.min_peers={nodes}"]
     dirs = [root / f"node{i}" for i in range(nodes)]
-    procs = [start_node(dirs[0], rounds, None, [*settings, "node.data_seed=0"])]
+    procs = [start_node(dirs[0], rounds, None, [*settings, "node.data_seed=0"], isolated=True)]
     pgids = [procs[0].pid]
     killed: dict[int, dict[str, Any]] = {}
     try:
         first = wait_for_join_line(dirs[0], procs[0])
         for i, d in enumerate(dirs[1:], 1):
-            procs.append(start_node(d, rounds, first, [*settings, f"node.data_seed={i}"]))
+            procs.append(start_node(d, rounds, first, [*settings, f"node.data_seed={i}"], isolated=True))
             pgids.append(procs[-1].pid)
         for d, p in zip(dirs, procs, strict=True):
             wait_for_join_line(d, p, timeout=180)

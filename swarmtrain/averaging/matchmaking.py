@@ -115,8 +115,9 @@ class Matchmaker:
         """Meet the others of my gossip group for ``round_``; a group of one if nobody can be reached."""
         lobby = self._lobby(round_)
         queue, tried, broken = list(candidates), set(), set()
-        # A peer that redirects to a leader I found dead is failing over itself; it may take a few pings.
-        retry_until = asyncio.get_running_loop().time() + gather_timeout + 5.0
+        # A peer that redirects to a leader I found dead is failing over itself: it pings that leader a few times
+        # (seconds under load) before it leads; ask it again until then rather than lead a group of my own.
+        retry_until = asyncio.get_running_loop().time() + gather_timeout + self.join_timeout
         while queue:
             candidate = queue.pop(0)
             if candidate in tried:
@@ -216,6 +217,10 @@ class Matchmaker:
                 except (RpcTimeout, RemoteError):
                     pass
 
+    def _moved_on(self, round_: int) -> bool:
+        """Whether peers have asked me to lead a later round than ``round_``."""
+        return any(lobby.joined for r, lobby in self.lobbies.items() if r > round_)
+
     async def _lead(
         self, lobby: Lobby, weight: float, digest: str, expected: set[str], gather_timeout: float, deadline_s: float
     ) -> Group:
@@ -224,11 +229,16 @@ class Matchmaker:
         lobby.digests[self.me] = digest
         loop = asyncio.get_running_loop()
         deadline = loop.time() + gather_timeout
+        # Alone at the gather timeout while live members are expected (one still finishing the last round under
+        # load): a group of one would only diverge, so wait up to one all-reduce deadline more for them, unless
+        # peers already meet for a later round (then I am the one behind).
+        lonely_deadline = deadline + deadline_s
         expected = set(expected)
         prober = asyncio.create_task(self._drop_unreachable(lobby, expected))
         try:
             while not expected <= lobby.joined.keys() and len(lobby.joined) < self.group_size:
-                remaining = deadline - loop.time()
+                alone = len(lobby.joined) == 1 and bool(expected - {self.me}) and not self._moved_on(lobby.round)
+                remaining = (lonely_deadline if alone else deadline) - loop.time()
                 if remaining <= 0:
                     break
                 lobby.changed.clear()

@@ -75,6 +75,7 @@ class Membership:
         self.subkey = record.peer_id.encode() + signer.local_public_key
         self.view: dict[str, PeerRecord] = {record.peer_id: record}
         self.seen_at: dict[str, float] = {}  # monotonic time each peer's record was last found
+        self.left: set[str] = set()  # peers that announced a graceful leave
 
     def update(self, **changes: Any) -> None:
         self.record = self.record.model_copy(update=changes)
@@ -97,7 +98,9 @@ class Membership:
                     continue
                 if record.phase == "leaving":
                     self.seen_at.pop(record.peer_id, None)
+                    self.left.add(record.peer_id)
                 else:
+                    self.left.discard(record.peer_id)  # back with the same identity (--resume)
                     view[record.peer_id] = record
                     self.seen_at[record.peer_id] = now
         for peer, record in self.view.items():

@@ -11,6 +11,7 @@ would have sent for the same steps.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -47,15 +48,20 @@ def read_metrics(path: Path) -> list[dict[str, Any]]:
     return records
 
 
-def start_node(run_dir: Path, rounds: int, join: str | None, settings: list[str]) -> subprocess.Popen[bytes]:
+def start_node(
+    run_dir: Path, rounds: int, join: str | None, settings: list[str], *, isolated: bool = False
+) -> subprocess.Popen[bytes]:
+    """A node process logging to ``run_dir/node.log``. ``isolated`` (benchmarks): no ``SWARMTRAIN_`` variables
+    from our environment, and a session of its own, so a kill can find all its processes and nothing else."""
     run_dir.mkdir(parents=True, exist_ok=True)
     args = [sys.executable, "-m", "swarmtrain", "node", "--run-dir", str(run_dir), "--rounds", str(rounds)]
     for item in settings:
         args += ["--set", item]
     if join:
         args += ["--join", join]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SWARMTRAIN_")} if isolated else None
     log = open(run_dir / "node.log", "wb")  # noqa: SIM115 (the child owns it for its lifetime)
-    return subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
+    return subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=isolated)
 
 
 def wait_for_join_line(run_dir: Path, proc: subprocess.Popen[bytes], timeout: float = 90.0) -> str:

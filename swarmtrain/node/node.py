@@ -100,6 +100,7 @@ class Node:
         self.leaving = False  # Ctrl+C: contribute what this round has, finish it, then leave
         self._trainer: InnerLoop | None = None
         self._averager: Averager | None = None
+        self._last_group: tuple[str, ...] = ()  # the members of my last round with others
 
     def request_leave(self) -> float:
         """Leave gracefully: cut the inner steps short, contribute them to the current round, finish that round,
@@ -200,10 +201,17 @@ class Node:
                 for p, r in membership.view.items()
                 if p != averager.me and r.round >= averager.round and r.digest and r.phase != "syncing"
             ]
+            mine = (averager.round, averager.outer.digest())
+            if not ahead and any(p != averager.me and (r.round, r.digest) == mine for p, r in membership.view.items()):
+                # No one is ahead, and peers that are catching up too hold my state (we were cut off together):
+                # there is nothing to fetch; train on with them.
+                log.info("no peer is ahead; peers catching up hold my state (round %d): training on", mine[0])
+                averager.needs_catch_up = False
+                return
             if ahead:
                 # The round and digest most peers hold, not the highest claim: one peer cannot drag us forward.
                 (target, digest), _ = Counter((r.round, r.digest) for r in ahead).most_common(1)[0]
-                if (target, digest) == (averager.round, averager.outer.digest()):
+                if (target, digest) == mine:
                     log.info("in step with the swarm at round %d (digest %s)", target, digest[:8])
                     averager.needs_catch_up = False
                     return
@@ -276,6 +284,10 @@ class Node:
             sent, received = transport.counter.sent, transport.counter.received
             delta = averager.outer.theta - trainer.vector()
             live = list(membership.view)
+            if len(live) == 1 and not averager.solo:
+                # A lookup that shows no one else (the DHT under load, or stalled by a frozen peer) is not news
+                # that everyone left: meet last round's group; the ones that are gone are found by ping.
+                live = [p for p in self._last_group if p not in membership.left] or live
             candidates = leader_candidates(live, averager.me, averager.group_size, node.run_id, averager.round)
             gather = self._gather_timeout(membership, set(candidates), last_inner)
             averager.matchmaker.join_timeout = max(30.0, 3 * last_inner)  # a slow leader, not a dead one
@@ -293,6 +305,8 @@ class Node:
                 log.info("round %d was over before I could sit in; catching up again", outcome.round)
                 continue
             membership.update(round=averager.round, digest=outcome.digest)
+            if outcome.group.size > 1:
+                self._last_group = outcome.group.members
             bpb = None
             if node.eval_every and averager.round % node.eval_every == 0:
                 bpb = await asyncio.to_thread(trainer.evaluate)
