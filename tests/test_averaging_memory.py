@@ -138,6 +138,21 @@ async def test_a_member_whose_join_answer_was_lost_asks_again_and_averages_with_
     assert [o.outcome for o in outcomes] == ["applied"] * 3 and len({o.digest for o in outcomes}) == 1
 
 
+async def test_a_leader_alone_at_its_gather_timeout_waits_for_a_member_still_finishing_the_last_round() -> None:
+    net, averagers = make_swarm(2)
+    for a in averagers:
+        await a.start()
+    peers = [a.me for a in averagers]
+
+    async def late_member():
+        await asyncio.sleep(1.5)  # still in the last round's exchange when the leader's gather timeout passes
+        return await averagers[1].run_round(torch.ones(NUMEL), 1.0, peers, set(peers), gather_timeout=0.5)
+
+    leader = averagers[0].run_round(torch.ones(NUMEL), 1.0, peers, set(peers), gather_timeout=0.5)
+    outcomes = await asyncio.gather(leader, late_member())
+    assert [o.group.size for o in outcomes] == [2, 2] and {o.outcome for o in outcomes} == {"applied"}
+
+
 async def test_a_diverged_node_contributes_nothing_and_still_receives_the_average() -> None:
     net, averagers = make_swarm(3)
     for a in averagers:
