@@ -114,8 +114,8 @@ def test_six_nodes_survive_two_kills_and_two_joins_in_twelve_rounds(swarm: Swarm
         else:
             alive = [n for n in names if swarm.procs[n].poll() is None]
             swarm.start(name, rounds, join=[swarm.join_line(n) for n in alive[:3]], extra=steps)
-            swarm.join_line(name)  # it is up
-            joined_at[name] = max(r["round"] for r in swarm.rounds("n0"))
+            swarm.join_line(name)  # it is up, during the round after the last one n0 logged
+            joined_at[name] = max(r["round"] for r in swarm.rounds("n0")) + 1
     survivors = [n for n in names if n not in victims] + sorted(joined_at)
     swarm.wait(survivors, timeout=300)
     assert all(swarm.procs[v].wait(timeout=10) == -signal.SIGKILL for v in victims)
@@ -134,4 +134,6 @@ def test_six_nodes_survive_two_kills_and_two_joins_in_twelve_rounds(swarm: Swarm
             for r in swarm.rounds(name)
             if r["group_size"] > 1 and r["weights"][r["group"].index(r["peer_id"])] > 0
         ]
+        # Up during round `at`: it downloads the state of the first round it can still sit in on (`at`, or
+        # `at + 1` if the others were averaging already), sits in on it, and contributes from the next.
         assert contributed and contributed[0] <= at + 2, (name, at, contributed)

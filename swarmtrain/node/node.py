@@ -215,6 +215,17 @@ class Node:
                     log.info("in step with the swarm at round %d (digest %s)", target, digest[:8])
                     averager.needs_catch_up = False
                     return
+                # Peers averaging a round publish its start state, which their group is about to replace: a node
+                # that downloads it could not sit in on that round any more. Take the state of peers that train
+                # (or are done), at most one round past what most peers hold; the averaging ones' only once
+                # waiting for those ran out.
+                settled = [r for r in ahead if r.phase in ("training", "done") and r.round <= target + 1]
+                if settled:
+                    (target, digest), _ = Counter((r.round, r.digest) for r in settled).most_common(1)[0]
+                    ahead = settled
+                elif time.monotonic() <= deadline:
+                    ahead = []
+            if ahead:
                 donors = [r.peer_id for r in ahead if (r.round, r.digest) == (target, digest)]
                 if await averager.fetch_state(donors, digest, max_round=target):
                     log.info("caught up with the swarm at round %d (digest %s)", averager.round, digest[:8])
