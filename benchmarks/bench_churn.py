@@ -46,20 +46,9 @@ from typing import Any
 
 import torch
 
-from swarmtrain.node.demo import read_metrics, start_node, wait_for_join_line
+from swarmtrain.node.demo import BENCH_MODEL, read_metrics, start_node, wait_for_join_line
 
-SETTINGS = [
-    "model.depth=2",
-    "model.width=64",
-    "model.heads=4",
-    "model.context=64",
-    "train.batch_size=16",
-    "train.threads=1",
-    "train.warmup_steps=20",
-    "train.eval_batches=32",
-    "node.inner_steps=10",
-    "averaging.min_deadline_s=10",
-]
+SETTINGS = [*BENCH_MODEL, "node.inner_steps=10", "averaging.min_deadline_s=10"]
 
 # ---- processes: each peer runs in its own session, so a kill finds all its processes and nothing else ----------
 

@@ -34,20 +34,9 @@ from swarmtrain.averaging.allgather import plan_segments
 from swarmtrain.compression import get_codec
 from swarmtrain.config import load_config
 from swarmtrain.model import ByteTransformer, count_parameters
-from swarmtrain.node.demo import read_metrics, start_node, stop, wait_for_join_line
+from swarmtrain.node.demo import BENCH_MODEL, read_metrics, start_node, stop, wait_for_join_line
 
-SETTINGS = [
-    "model.depth=2",
-    "model.width=64",
-    "model.heads=4",
-    "model.context=64",
-    "train.batch_size=16",
-    "train.threads=1",
-    "train.warmup_steps=20",
-    "train.eval_batches=32",
-    "node.inner_steps=20",
-    "averaging.min_deadline_s=20",
-]
+SETTINGS = [*BENCH_MODEL, "node.inner_steps=20", "averaging.min_deadline_s=20"]
 
 
 def run_swarm(codec: str, nodes: int, rounds: int, root: Path, extra: list[str]) -> dict[str, float]:

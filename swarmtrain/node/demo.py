@@ -27,6 +27,18 @@ from swarmtrain.errors import SwarmtrainError
 from swarmtrain.model import ByteTransformer, count_parameters
 from swarmtrain.train import run_training
 
+# The small model the swarm benchmarks train (136k parameters; bench_churn, bench_compression_quality).
+BENCH_MODEL = [
+    "model.depth=2",
+    "model.width=64",
+    "model.heads=4",
+    "model.context=64",
+    "train.batch_size=16",
+    "train.threads=1",
+    "train.warmup_steps=20",
+    "train.eval_batches=32",
+]
+
 DEMO_SETTINGS = [
     "train.batch_size=16",
     "train.threads=1",
