@@ -259,3 +259,14 @@ async def test_an_update_that_missed_its_round_joins_the_next_one_damped_by_its_
     expected = before - (deltas[0] + deltas[1] + deltas[2] + stale / 2) / 3
     torch.testing.assert_close(averagers[0].outer.theta, expected)
     assert averagers[2].stale is None  # carried once, not again
+
+
+async def test_a_swarm_of_short_rounds_never_runs_out_of_routes() -> None:
+    """Finished exchanges keep their route a while to refuse late messages; a node whose rounds are shorter than
+    that grace period must still take part in every round (it used to refuse round 64: too many groups)."""
+    net, averagers = make_swarm(2)
+    for a in averagers:
+        await a.start()
+    for round_ in range(70):
+        outcomes = await run_round(averagers, [torch.ones(NUMEL)] * 2, [1.0, 1.0])
+        assert [getattr(o, "outcome", o) for o in outcomes] == ["applied", "applied"], f"round {round_}"

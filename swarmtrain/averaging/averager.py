@@ -89,6 +89,7 @@ class Averager:
         self.segments = plan_segments(codec_up, theta.numel(), shapes, part_numel) if codec_up.sparse else []
         self.codec_states = [CodecState() for _ in self.segments]  # error feedback and warm starts, per segment
         self._routes: dict[str, asyncio.Future[GroupExchange]] = {}
+        self._finished: set[str] = set()  # routes of exchanges that are over, kept a while to refuse late messages
         self._durations: list[float] = []
         # An update that missed its round (this node was too slow, or cut off): added to the next contribution
         # at 1 / (1 + rounds late) instead of being lost (see ``_with_stale``).
@@ -141,11 +142,14 @@ class Averager:
         if not isinstance(group_id, str) or len(group_id) > 32:
             raise Rejected("missing or malformed group id")
         if group_id not in self._routes:
-            if len(self._routes) >= _MAX_ROUTES:  # evict the oldest unresolved route (a peer spraying ids)
-                stale = next((g for g, f in self._routes.items() if not f.done()), None)
+            if len(self._routes) >= _MAX_ROUTES:
+                # Evict the oldest route that no exchange of ours needs: one whose exchange is over, or one no
+                # group of ours ever claimed (a peer spraying ids). Only live exchanges are never evicted.
+                stale = next((g for g, f in self._routes.items() if g in self._finished or not f.done()), None)
                 if stale is None:
                     raise Rejected("too many groups in flight")
                 del self._routes[stale]
+                self._finished.discard(stale)
             self._routes[group_id] = asyncio.get_running_loop().create_future()
         return self._routes[group_id]
 
@@ -388,5 +392,11 @@ class Averager:
             raise
 
     def _forget(self, allreduce: GroupExchange) -> None:
-        """Drop the route after a grace period, so late messages are refused instead of waited on."""
-        asyncio.get_running_loop().call_later(30, self._routes.pop, allreduce.route, None)
+        """Drop the route after a grace period, so late messages are refused instead of waited on. Until then it
+        may be evicted by a new route: a node that runs short rounds must not fill its table with finished ones."""
+        self._finished.add(allreduce.route)
+        asyncio.get_running_loop().call_later(30, self._drop_route, allreduce.route)
+
+    def _drop_route(self, route: str) -> None:
+        self._routes.pop(route, None)
+        self._finished.discard(route)
