@@ -17,6 +17,7 @@ from rich.console import Console
 from swarmtrain.config import Config, known_keys, load_config
 from swarmtrain.errors import SwarmtrainError
 from swarmtrain.localtrain.cli import localtrain_group
+from swarmtrain.signals import stop_on_signals
 
 _common_options: list[Callable[[Callable[..., Any]], Callable[..., Any]]] = [
     click.option("--config", "config_path", type=click.Path(dir_okay=False), help="TOML config file."),
@@ -218,7 +219,8 @@ cli.add_command(localtrain_group)
 def main(argv: list[str] | None = None) -> None:
     """Entry point: user-facing errors print as one paragraph and exit 2, without a traceback."""
     try:
-        cli.main(args=argv, prog_name="swarmtrain", standalone_mode=False)
+        with stop_on_signals():  # Ctrl+C, SIGTERM and SIGHUP stop every command gracefully, however it was started
+            cli.main(args=argv, prog_name="swarmtrain", standalone_mode=False)
     except SwarmtrainError as exc:
         Console(stderr=True, highlight=False, soft_wrap=True).print(str(exc), style="red", markup=False)
         sys.exit(2)

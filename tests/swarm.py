@@ -49,7 +49,10 @@ class Swarm:
             args += ["--join", address]
         env = {k: v for k, v in os.environ.items() if not k.startswith("SWARMTRAIN_")}
         log = open(run_dir / "node.log", "wb")  # noqa: SIM115
-        self.procs[name] = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env)
+        # Started with SIGINT ignored, as a background job of a script would be: Ctrl+C must still leave gracefully.
+        self.procs[name] = subprocess.Popen(
+            args, stdout=log, stderr=subprocess.STDOUT, env=env, preexec_fn=_ignore_sigint
+        )
         return self.procs[name]
 
     def start_all(self, names: list[str], rounds: int, extra: list[str] = ()) -> None:
@@ -124,6 +127,10 @@ class Swarm:
         for pid, cmdline in self.daemons.items():
             if _cmdline(pid) == cmdline:  # still our daemon, not a reused pid
                 os.kill(pid, signal.SIGKILL)
+
+
+def _ignore_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 def _cmdline(pid: int) -> str:

@@ -83,17 +83,27 @@ def test_a_killed_stage_fails_the_run_quickly_and_cleanly(tmp_path: Path, text_f
     assert not stage.is_alive()
 
 
-def run_until_interrupted(config_dump: dict, prefix: str) -> None:
-    """A run process as the bench starts it: trains until Ctrl+C, then must clean up on its own."""
+def run_until_interrupted(config_dump: dict, prefix: str, ignore_sigint: bool = False) -> None:
+    """A run process as the bench starts it: trains until Ctrl+C, then must clean up on its own. With
+    ``ignore_sigint`` it starts as a background job of a script would, with SIGINT ignored."""
+    if ignore_sigint:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
     config = Config.model_validate(config_dump)
     with LocalTrainer(config, load_corpus(config.data), async_lt(), prefix=prefix) as trainer:
         while True:
             trainer.train_step()
 
 
-def test_ctrl_c_stops_every_process_and_unlinks_every_segment(tmp_path: Path, text_file: Path, prefix: str) -> None:
+@pytest.mark.parametrize(
+    ("sig", "ignore_sigint"),
+    [(signal.SIGINT, False), (signal.SIGINT, True), (signal.SIGTERM, True), (signal.SIGHUP, False)],
+    ids=["ctrl-c", "ctrl-c-started-ignoring-it", "sigterm", "sighup"],
+)
+def test_ctrl_c_stops_every_process_and_unlinks_every_segment(
+    tmp_path: Path, text_file: Path, prefix: str, sig: signal.Signals, ignore_sigint: bool
+) -> None:
     config = localtrain_config(tmp_path, text_file, steps=100_000)
-    run = CTX.Process(target=run_until_interrupted, args=(config.model_dump(), prefix))
+    run = CTX.Process(target=run_until_interrupted, args=(config.model_dump(), prefix, ignore_sigint))
     run.start()
     # Wait until both stages train (the control block says so), then interrupt.
     wait_until(lambda: len(leftover_segments(prefix)) >= 5, run_alive(run), 60)
@@ -104,7 +114,7 @@ def test_ctrl_c_stops_every_process_and_unlinks_every_segment(tmp_path: Path, te
         control.detach()
     tree = process_tree(run.pid)
     assert tree_pss_mib(run.pid) > 50
-    os.kill(run.pid, signal.SIGINT)  # a terminal sends it to the group; stages ignore it, the parent cleans up
+    os.kill(run.pid, sig)  # a terminal sends SIGINT to the group; stages ignore it, the parent cleans up
     run.join(timeout=30)
     assert run.exitcode is not None and run.exitcode != 0  # KeyboardInterrupt propagates after cleanup
     wait_until(lambda: not any(_alive(pid) for pid in tree), lambda: None, 10)

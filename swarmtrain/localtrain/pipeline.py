@@ -39,6 +39,7 @@ from swarmtrain.localtrain.stage import Stage, build_stage_module, local_loss, p
 from swarmtrain.localtrain.worker import StageSpec, stage_main
 from swarmtrain.localtrain.zygote import ForkedProcess, Zygote, take_zygote
 from swarmtrain.model import VOCAB, ByteTransformer
+from swarmtrain.signals import stop_on_signals
 
 log = logging.getLogger(__name__)
 
@@ -81,6 +82,10 @@ class PipelineEngine:
         self.consensus = ReadoutConsensus(lt.stages - 1)
         self.control: Control | None = None
         self.snapshot: Snapshot | None = None
+        # Ctrl+C, SIGTERM and SIGHUP stop the stages and unlink the segments, also in a process started with SIGINT
+        # ignored; ``close`` gives the handlers back.
+        self._signals = contextlib.ExitStack()
+        self._signals.enter_context(stop_on_signals())
         try:
             self._start(config.train.max_steps if horizon is None else horizon)
         except BaseException:
@@ -378,3 +383,4 @@ class PipelineEngine:
                     with contextlib.suppress(Exception):
                         handle.detach()
             self.segments.unlink_all()
+            self._signals.close()

@@ -1,8 +1,8 @@
 """Process-level entry points: run a node or a bootstrap peer until Ctrl+C, query the swarm's status.
 
-Ctrl+C (or SIGTERM) leaves gracefully: the node cuts its inner steps short, contributes them to the current
-round and finishes it (bounded by the round's deadline), then announces its leave, writes a checkpoint and
-stops its daemons; a second Ctrl+C exits at once.
+Ctrl+C (or SIGTERM, or SIGHUP when the terminal closes, unless started under nohup) leaves gracefully: the node
+cuts its inner steps short, contributes them to the current round and finishes it (bounded by the round's
+deadline), then announces its leave, writes a checkpoint and stops its daemons; a second Ctrl+C exits at once.
 """
 
 from __future__ import annotations
@@ -11,7 +11,6 @@ import asyncio
 import contextlib
 import json
 import os
-import signal
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -24,12 +23,14 @@ from rich.table import Table
 from swarmtrain.config import Config
 from swarmtrain.dht import PeerRecord
 from swarmtrain.node.node import Node, NodeError, join_line, start_dht, start_p2p
+from swarmtrain.signals import STOP_SIGNALS, handled_by_loop
 
 
 def run_until_interrupted(main: Callable[[], Awaitable[None]], leave: Callable[[], float] | None = None) -> None:
-    """Run ``main`` in a uvloop loop until it returns. The first SIGINT/SIGTERM calls ``leave()``, which starts a
-    clean leave and returns the seconds it may take, then cancels ``main`` after them (at once without
-    ``leave``); the second exits at once."""
+    """Run ``main`` in a uvloop loop until it returns. The first SIGINT/SIGTERM/SIGHUP calls ``leave()``, which
+    starts a clean leave and returns the seconds it may take, then cancels ``main`` after them (at once without
+    ``leave``); the second exits at once. The loop's handlers work however the process was started (also with
+    SIGINT ignored)."""
 
     async def runner() -> None:
         task = asyncio.current_task()
@@ -46,8 +47,9 @@ def run_until_interrupted(main: Callable[[], Awaitable[None]], leave: Callable[[
             else:
                 os._exit(130)
 
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, on_signal)
+        for sig in STOP_SIGNALS:
+            if handled_by_loop(sig):
+                loop.add_signal_handler(sig, on_signal)
         with contextlib.suppress(asyncio.CancelledError):
             await main()
 
