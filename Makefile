@@ -1,12 +1,13 @@
 # The two commands of the README. Both create .venv and install everything on a fresh machine.
 #   make demo   run the main job on its built-in default
 #   make test   lint and run the test suite
+# Before you submit: make test-load (the suite on a fresh clone with one core busy; RUNS=3, TARGET=slow-test).
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint slow-test
+.PHONY: demo test lint slow-test test-load
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -27,3 +28,8 @@ test: lint
 
 slow-test: $(STAMP)
 	$(BIN)/python -m pytest -m slow
+
+RUNS ?= 1
+TARGET ?= test
+test-load:
+	RUNS=$(RUNS) TARGET=$(TARGET) bash .ci/test-load
