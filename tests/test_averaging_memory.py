@@ -270,3 +270,28 @@ async def test_a_swarm_of_short_rounds_never_runs_out_of_routes() -> None:
     for round_ in range(70):
         outcomes = await run_round(averagers, [torch.ones(NUMEL)] * 2, [1.0, 1.0])
         assert [getattr(o, "outcome", o) for o in outcomes] == ["applied", "applied"], f"round {round_}"
+
+
+async def test_members_do_not_wait_on_a_leader_that_is_catching_up() -> None:
+    """The first leader candidate is behind and downloading the swarm's state: the others are sent on to the next
+    candidate at once, not after their join timeout (a frozen node's resync used to stall its group 30 s a round)."""
+    net, averagers = make_swarm(3)
+    for a in averagers:
+        await a.start()
+        a.matchmaker.join_timeout = 30.0
+    behind, others = averagers[0], averagers[1:]
+    peers = [a.me for a in averagers]
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    expected = {a.me for a in others}
+    rounds = asyncio.gather(
+        *(a.run_round(torch.ones(NUMEL), 1.0, leader_candidates(peers, a.me, 16, "test", 0), expected, 2.0)
+          for a in others)
+    )  # fmt: skip
+    await asyncio.sleep(0.5)  # the others wait on it as their leader; then it finds it is behind
+    assert behind.matchmaker.lobbies[0].joined.keys() == expected
+    behind.matchmaker.catching_up = True
+    outcomes = await rounds
+    assert [o.group.members for o in outcomes] == [("peer1", "peer2")] * 2
+    assert {o.outcome for o in outcomes} == {"applied"}
+    assert loop.time() - started < 10.0, "the members waited on the leader that is catching up"

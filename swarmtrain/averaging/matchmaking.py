@@ -52,6 +52,21 @@ class Matchmaker:
         self.group_size = group_size
         self.lobbies: dict[int, Lobby] = {}
         self.join_timeout = 60.0
+        # Set while this node catches up with the swarm: it will not lead a round it is behind on, so joiners are
+        # sent on to the next candidate at once instead of waiting on it until their join timeout.
+        self._catching_up = asyncio.Event()
+
+    @property
+    def catching_up(self) -> bool:
+        return self._catching_up.is_set()
+
+    @catching_up.setter
+    def catching_up(self, value: bool) -> None:
+        """While set, joins are refused with code ``behind``, those already waiting on me too."""
+        if value:
+            self._catching_up.set()
+        else:
+            self._catching_up.clear()
 
     def _lobby(self, round_: int) -> Lobby:
         if round_ not in self.lobbies:
@@ -66,6 +81,8 @@ class Matchmaker:
             raise Rejected(f"round {round_!r} is over (this peer is at round {current_round})", code="over")
         if round_ > current_round + 1:
             raise Rejected(f"round {round_} is too far ahead of this peer's round {current_round}")
+        if self.catching_up:
+            raise self._behind(current_round)
         weight = check_weight(header.get("weight"))
         digest = header.get("digest")
         if not isinstance(digest, str) or len(digest) > 64:
@@ -81,10 +98,14 @@ class Matchmaker:
         lobby.digests[sender] = digest
         lobby.changed.set()
         redirected = asyncio.ensure_future(lobby.redirected.wait())
+        behind = asyncio.ensure_future(self._catching_up.wait())
         try:
-            await asyncio.wait([lobby.result, redirected], timeout=self.join_timeout, return_when="FIRST_COMPLETED")
+            await asyncio.wait(
+                [lobby.result, redirected, behind], timeout=self.join_timeout, return_when="FIRST_COMPLETED"
+            )
         finally:
             redirected.cancel()
+            behind.cancel()
         if lobby.result.done():
             group = lobby.result.result()
             if sender not in group.members:
@@ -93,7 +114,13 @@ class Matchmaker:
         lobby.joined.pop(sender, None)
         if lobby.redirect is not None:
             return {"redirect": lobby.redirect}
+        if self.catching_up:
+            raise self._behind(current_round)
         raise Rejected(f"the leader of round {round_} was not ready in time")
+
+    @staticmethod
+    def _behind(current_round: int) -> Rejected:
+        return Rejected(f"this peer is catching up with the swarm (from round {current_round})", code="behind")
 
     @staticmethod
     def _answer(group: Group) -> dict[str, Any]:

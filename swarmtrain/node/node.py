@@ -193,7 +193,15 @@ class Node:
         Peers publish the digest of their theta_g with their round; the state is taken from the most advanced
         peer whose bytes hash to the digest it serves.
         """
-        deadline = time.monotonic() + wait_s
+        averager.matchmaker.catching_up = True
+        try:
+            await self._catch_up_until(averager, membership, trainer, time.monotonic() + wait_s)
+        finally:
+            averager.matchmaker.catching_up = False
+
+    async def _catch_up_until(
+        self, averager: Averager, membership: Membership, trainer: InnerLoop, deadline: float
+    ) -> None:
         membership.update(phase="syncing")
         while True:
             ahead = [
@@ -300,6 +308,9 @@ class Node:
                 # that everyone left: meet last round's group; the ones that are gone are found by ping.
                 live = [p for p in self._last_group if p not in membership.left] or live
             candidates = leader_candidates(live, averager.me, averager.group_size, node.run_id, averager.round)
+            if observing:
+                # Just caught up: join the group the others form rather than lead one they may have given up on.
+                candidates = [*(c for c in candidates if c != averager.me), averager.me]
             gather = self._gather_timeout(membership, set(candidates), last_inner)
             averager.matchmaker.join_timeout = max(30.0, 3 * last_inner)  # a slow leader, not a dead one
             try:
