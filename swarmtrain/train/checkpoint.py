@@ -188,6 +188,8 @@ def read_checkpoint(path: str | Path) -> Checkpoint:
         sums = json.loads(header[_SUMS_KEY]) if _SUMS_KEY in header else None
     except (OSError, SafetensorError, ValueError, KeyError, TypeError) as exc:
         raise DamagedCheckpoint(f"checkpoint error: {path} cannot be read ({exc}).") from None
+    if sums is None and set(header) != {_META_KEY}:  # a damaged key name, not a file from before checksums
+        raise DamagedCheckpoint(f"checkpoint error: {path} fails its checksum (its header is damaged).")
     if sums is None:
         log.warning("%s was written before checkpoints had checksums; it is loaded unchecked", path.name)
     else:
