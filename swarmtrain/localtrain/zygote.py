@@ -182,13 +182,22 @@ def start_zygote(close_fds: Iterable[Any] = ()) -> Zygote:
         return _current
     ours, theirs = Pipe()
     to_close = list(close_fds)
+    parent_pid = os.getpid()
     # The cyclic GC writes into the header of every object it scans, which would copy each page of torch's
     # Python objects into every process; objects frozen here are never scanned again, so their pages stay shared.
-    gc.collect()
-    gc.freeze()
+    # Only the children need that: this process unfreezes right after the fork (leaving the interpreter as it
+    # found it), unless its own code had frozen objects already, and then it freezes nothing.
+    freeze = gc.get_freeze_count() == 0
+    if freeze:
+        gc.collect()
+        gc.freeze()
     sys.stdout.flush()
     sys.stderr.flush()
-    pid = os.fork()
+    try:
+        pid = os.fork()
+    finally:
+        if freeze and os.getpid() == parent_pid:
+            gc.unfreeze()
     if pid == 0:  # the zygote
         code = 1
         try:
