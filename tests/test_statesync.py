@@ -229,7 +229,7 @@ async def test_the_whole_download_has_one_deadline() -> None:
     took = time.monotonic() - started
     bound = timeout + state_size_bounds(donors[0].outer.state_tensors())[1] / MIN_RATE
     # Every chunk would take 10 / INFLIGHT * per_call = 1.75 s; the download gave up at its bound instead.
-    assert sum(chunks.values()) < 10 and took < bound + per_call + 0.5, (chunks, took, bound)
+    assert sum(chunks.values()) < 10 and took < bound + 2.0, (chunks, took, bound)  # generous for a busy machine
     assert not joiner.outer.theta.any()
 
 
