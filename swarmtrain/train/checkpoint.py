@@ -225,7 +225,7 @@ def find_resumable(run_dir: str | Path, check: Callable[[Checkpoint], None] | No
             if check is not None:
                 check(checkpoint)
         except DamagedCheckpoint as exc:
-            log.warning("skipping %s: %s", path.name, exc)
+            log.info("skipping %s: %s", path.name, exc)  # the caller prints the report to the user
             found.skipped.append((path, str(exc)))
             _intact.pop(path, None)
             continue
