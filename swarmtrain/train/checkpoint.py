@@ -226,7 +226,8 @@ def find_resumable(run_dir: str | Path, check: Callable[[Checkpoint], None] | No
                 check(checkpoint)
         except DamagedCheckpoint as exc:
             log.info("skipping %s: %s", path.name, exc)  # the caller prints the report to the user
-            found.skipped.append((path, str(exc)))
+            reason = str(exc).removeprefix("checkpoint error: ").replace(f"{path} ", "it ", 1).rstrip(".")
+            found.skipped.append((path, reason))
             _intact.pop(path, None)
             continue
         found.checkpoint = checkpoint
