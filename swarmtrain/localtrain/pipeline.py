@@ -142,7 +142,7 @@ class PipelineEngine:
                     proc.start()
             self.procs.append(proc)
         if zygote is not None and zygote.subreaper:
-            zygote.close()  # retire it: its stages become this process's children, and its pages are freed
+            zygote.retire()  # its stages become this process's children, and its pages are freed
         control.set_pid(S - 1, os.getpid())
         self.owner = Stage(build_stage_module(config, S, S - 1), train)
         self.readout = self.owner.module.readout.weight
