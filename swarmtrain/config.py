@@ -11,6 +11,7 @@ from __future__ import annotations
 import difflib
 import json
 import os
+import re
 import tomllib
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -276,6 +277,28 @@ def known_keys(model: type[BaseModel] = Config, prefix: str = "") -> dict[str, s
     return keys
 
 
+def _suggest(dotted: str, keys: Iterable[str]) -> str:
+    """A hint for an unknown key: a close key in the same section, the same name in another section, or the
+    section's keys; never a look-alike from an unrelated section (``model.bogus`` is not ``node.rounds``)."""
+    section, _, leaf = dotted.rpartition(".")
+    siblings = [k.rpartition(".")[2] for k in keys if k.rpartition(".")[0] == section]
+    if close := difflib.get_close_matches(leaf, siblings, n=1):
+        return f" Did you mean {f'{section}.' if section else ''}{close[0]}?"
+    elsewhere = [k for k in keys if k.rpartition(".")[2] == leaf]
+    if elsewhere:
+        return f" Did you mean {elsewhere[0]}?"
+    if siblings and section:
+        return f" The keys of [{section}] are: {', '.join(siblings)}."
+    return ""
+
+
+def _named_origins(dotted: str, message: str, origins: Mapping[str, str]) -> list[str]:
+    """Where the keys a section-level check names in ``message`` were set (file, variable, --set or flag)."""
+    prefix = f"{dotted}." if dotted else ""
+    named = [k for k in origins if k.startswith(prefix) and re.search(rf"(?<![\w.]){re.escape(k)}(?![\w])", message)]
+    return list(dict.fromkeys(origins[k] for k in named))
+
+
 def _explain(error: ValidationError, origins: Mapping[str, str], source: str) -> str:
     keys = known_keys()
     lines = []
@@ -283,13 +306,16 @@ def _explain(error: ValidationError, origins: Mapping[str, str], source: str) ->
         dotted = ".".join(str(p) for p in item["loc"])
         where = origins.get(dotted, source)
         if item["type"] == "extra_forbidden":
-            close = difflib.get_close_matches(dotted, list(keys), n=1)
-            hint = f" Did you mean {close[0]}?" if close else ""
-            lines.append(f"{dotted} is not a known setting (from {where}).{hint}")
-        elif dotted:
+            lines.append(f"{dotted} is not a known setting (from {where}).{_suggest(dotted, keys)}")
+        elif dotted in keys:
             lines.append(f"{dotted} = {item.get('input')!r} is invalid (from {where}): {item['msg']}.")
         else:
-            lines.append(f"{item['msg'].removeprefix('Value error, ')}.")
+            # A check across a section's fields: its message names the keys; say where those were set rather
+            # than dumping the whole section.
+            message = item["msg"].removeprefix("Value error, ")
+            message = message if message.endswith("...") else message.rstrip(".")
+            named = _named_origins(dotted, message, origins)
+            lines.append(f"{message} (from {', '.join(named)})." if named else f"{message}.")
     return (
         "config error: "
         + " ".join(lines)
@@ -319,6 +345,12 @@ def load_config(
         except OSError as exc:
             raise ConfigError(
                 f"config error: cannot read config file {path}: {exc.strerror}. Check the path."
+            ) from None
+        except UnicodeDecodeError as exc:
+            raise ConfigError(
+                f"config error: {path} is not UTF-8 text (byte 0x{exc.object[exc.start]:02x} at offset {exc.start}); "
+                "a TOML config must be UTF-8. Check that --config names the config file, or re-save it as UTF-8 "
+                f"(e.g. `iconv -f latin1 -t utf-8 {path} > run.toml`)."
             ) from None
         try:
             loaded = tomllib.loads(text)

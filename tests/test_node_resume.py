@@ -3,6 +3,7 @@ round; a restarted node catches up with the swarm and ends every later round wit
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -12,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors import safe_open
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from swarmtrain.averaging import Averager
 from swarmtrain.compression import get_codec
@@ -22,7 +23,7 @@ from swarmtrain.net import MemoryNetwork
 from swarmtrain.node.inner import LocalTrainLoop, StandardLoop
 from swarmtrain.node.node import Node
 from swarmtrain.node.resume import open_run_dir
-from swarmtrain.train import list_checkpoints
+from swarmtrain.train import list_checkpoints, save_checkpoint
 from tests.conftest import tiny_config
 from tests.swarm import Swarm
 
@@ -90,23 +91,39 @@ def test_a_localtrain_node_resumes_theta_g_and_counts_its_steps_on(tmp_path: Pat
         resumed.close()
 
 
-def test_a_damaged_or_foreign_checkpoint_is_refused_with_the_fix(tmp_path: Path, text_file: Path) -> None:
+def test_a_foreign_checkpoint_is_refused_and_a_damaged_one_falls_back(
+    tmp_path: Path, text_file: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     config = tiny_config(tmp_path, text_file)
     inner = StandardLoop(config, load_corpus(config.data), data_seed=7)
     averager = outer(inner.vector())
     averager.outer.step(torch.ones_like(averager.outer.theta))
-    Node(config)._checkpoint(inner, averager)
+    Node(config)._checkpoint(inner, averager)  # step 0, round 0
+    inner.run(1)
+    averager.round = 1
+    Node(config)._checkpoint(inner, averager)  # step 1, round 1
     wider = tiny_config(tmp_path, text_file, **{"model.width": 48})
     with pytest.raises(CheckpointError, match=r"different model \(model.width=32 there vs 48 here\)"):
         open_run_dir(wider, resume=True)
-    path = list_checkpoints(config.run_dir)[-1]
-    tensors = load_file(path)
-    with safe_open(str(path), "pt") as f:
-        meta = f.metadata()
-    tensors["outer.theta"][0] += 1.0  # one value of theta_g changes, the metadata (round, digest) stays
-    save_file(tensors, str(path), metadata=meta)
-    with pytest.raises(CheckpointError, match="does not match its digest"):
-        open_run_dir(config, resume=True)
+    older, newest = list_checkpoints(config.run_dir)
+    tensors = load_file(newest)
+    with safe_open(str(newest), "pt") as f:
+        meta = json.loads(f.metadata()["swarmtrain"])
+    tensors["outer.theta"][0] += 1.0  # one value of theta_g changes, the round and digest stay
+    save_checkpoint(config.run_dir, tensors, meta, keep=2)  # a file whose checksums pass but whose digest does not
+    resumed = open_run_dir(config, resume=True)
+    assert resumed is not None and resumed.path == older and resumed.meta["round"] == 0
+    assert f"skipped {newest.name}" in capsys.readouterr().out
+    data = bytearray(older.read_bytes())
+    header_len = int.from_bytes(data[:8], "little")
+    inner_name = "model.embed.weight"  # one bit of the inner trainer's tensors
+    start = json.loads(data[8 : 8 + header_len])[inner_name]["data_offsets"][0]
+    data[8 + header_len + start] ^= 0x01
+    older.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match="no readable checkpoint") as refused:
+        open_run_dir(config, resume=True)  # neither passes now: refused, naming both and why
+    assert "does not match its digest" in str(refused.value)
+    assert f"fails its checksum (tensor {inner_name} is damaged" in str(refused.value)
     with pytest.raises(CheckpointError, match="no readable checkpoint"):
         open_run_dir(tiny_config(tmp_path, text_file, run_dir=str(tmp_path / "empty")), resume=True)
 

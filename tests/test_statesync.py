@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections import Counter
 
 import pytest
@@ -11,9 +12,9 @@ import torch
 from hivemind.p2p import P2P
 
 from swarmtrain.averaging import Averager
-from swarmtrain.averaging.statesync import INFLIGHT
+from swarmtrain.averaging.statesync import INFLIGHT, MIN_RATE, RATE_SLACK, Deadline, state_size_bounds
 from swarmtrain.compression import get_codec
-from swarmtrain.net import MemoryNetwork, P2PTransport
+from swarmtrain.net import MemoryNetwork, P2PTransport, Rejected
 
 NUMEL = 10_000
 CHUNK = 8192  # the state is ~80 kB: 10 chunks
@@ -173,6 +174,76 @@ async def test_a_donor_refuses_chunk_sizes_out_of_bounds(chunk) -> None:
     assert not donor.snapshots.snapshots  # nothing serialised for a refused probe
 
 
+async def test_a_donor_that_fails_once_still_serves() -> None:
+    net, donors, joiner, chunks = await donors_and_joiner(2)
+    answered: Counter[str] = Counter()
+    hiccups = []
+
+    def hiccup_once(header, answer, body):
+        if "index" in header and not hiccups:
+            hiccups.append(header["index"])
+            raise Rejected("busy for a moment")  # one failed call, as a dropped stream would give
+        answered["donor1"] += "index" in header
+        return answer, body
+
+    tamper(net, "donor1", hiccup_once)
+    digest = donors[0].outer.digest()
+    assert await joiner.fetch_state([d.me for d in donors], digest)
+    assert same_state(joiner, donors[0]) and hiccups
+    # After its one failure donor1 serves on (not one in-flight chunk more): both donors share the download.
+    assert answered["donor1"] >= 3 and sum(chunks.values()) == 10 + 1, (answered, chunks)
+
+
+async def test_a_donor_one_round_ahead_still_serves_the_agreed_state() -> None:
+    net, donors, first, chunks = await donors_and_joiner(2)
+    digest = donors[0].outer.digest()
+    assert await first.fetch_state([d.me for d in donors], digest, max_round=7)  # the donors snapshot the state
+    for d in donors:  # then they move on a round
+        d.outer.step(torch.ones(NUMEL))
+        d.round += 1
+    assert donors[0].outer.digest() != digest
+    late = averager(net, "late")
+    await late.start()
+    chunks.clear()
+    # A joiner that agreed on the earlier state (its group's digest) still gets it from the donors' snapshots.
+    assert await late.fetch_state([d.me for d in donors], digest, max_round=7)
+    assert same_state(late, first) and late.outer.digest() == digest and late.round == 7
+    assert set(chunks) == {d.me for d in donors}, chunks
+
+
+async def test_the_whole_download_has_one_deadline() -> None:
+    """A donor that answers every chunk a little under the call timeout: each call succeeds, but the
+    download as a whole ends at its deadline (the state's size at the floor rate), not after every chunk."""
+    net, donors, joiner, chunks = await donors_and_joiner(1)
+    timeout, per_call = 0.5, 0.35
+    handler, max_body, max_frames = net.handlers["donor0"]["state"]
+
+    async def slow(sender, header, frames):
+        if "index" in header:
+            await asyncio.sleep(per_call)
+        return await handler(sender, header, frames)
+
+    net.handlers["donor0"]["state"] = (slow, max_body, max_frames)
+    started = time.monotonic()
+    assert not await joiner.fetch_state([donors[0].me], donors[0].outer.digest(), timeout=timeout)
+    took = time.monotonic() - started
+    bound = timeout + state_size_bounds(donors[0].outer.state_tensors())[1] / MIN_RATE
+    # Every chunk would take 10 / INFLIGHT * per_call = 1.75 s; the download gave up at its bound instead.
+    assert sum(chunks.values()) < 10 and took < bound + 2.0, (chunks, took, bound)  # generous for a busy machine
+    assert not joiner.outer.theta.any()
+
+
+def test_the_deadline_follows_the_measured_rate() -> None:
+    now = [0.0]
+    deadline = Deadline(10.0, 100 * MIN_RATE, clock=lambda: now[0])
+    assert deadline.left() == pytest.approx(110.0)  # the size at the floor rate, plus the floor
+    now[0] = 1.0
+    deadline.progress(10 * MIN_RATE, 90 * MIN_RATE)  # fast: 10 MIN_RATE per second
+    assert deadline.left() == pytest.approx(10.0 + RATE_SLACK * 9.0)  # the rest at that rate, with slack
+    now[0] = 30.0  # then it stalls: the deadline does not move without progress
+    assert deadline.left() == pytest.approx(1.0 + 10.0 + RATE_SLACK * 9.0 - 30.0)
+
+
 @pytest.mark.timeout(60)
 async def test_chunked_download_over_real_p2p_streams() -> None:
     """Two donors and a joiner on p2pd daemons: the chunks travel as unary calls over libp2p streams."""
@@ -198,10 +269,14 @@ async def test_chunked_download_over_real_p2p_streams() -> None:
         for a in nodes:
             await a.start()
         joiner.state_chunk = 1 << 16
+        size = state_size_bounds(donors[0].outer.state_tensors())[1]
+        # Every chunk arrived and the state verified against the agreed digest.
         assert await joiner.fetch_state([d.me for d in donors], donors[0].outer.digest(), timeout=20)
         assert same_state(joiner, donors[0])
+        # Both donors served (each starts with INFLIGHT chunks, and one failed call does not drop it); how many
+        # each served depends on which answers faster, so only that is checked, and that little went twice.
         sent = [d.transport.counter.sent for d in donors]
-        assert min(sent) > 200_000 and sum(sent) < 2 * 800_000, sent  # both served; nothing served twice
+        assert min(sent) >= joiner.state_chunk and sum(sent) < 2 * size, sent
     finally:
         for p2p in daemons:
             await p2p.shutdown()

@@ -2,16 +2,20 @@
 
 Donor side (``SnapshotStore``): a probe serialises the state to safetensors at once (no await between reading
 the tensors and serialising, so the bytes are one consistent state) and keeps those bytes under their digest for
-a while, so a download that outlasts a round still reads one state. The probe's answer is the donor's round,
-digest, byte size and a manifest: the sha256 of every chunk. A chunk request names the digest and an index.
+a while, so a download that outlasts a round still reads one state. A probe may name the digest it wants: a
+donor that still holds that snapshot answers with it even after it moved on a round. The probe's answer is the
+donor's round, digest, byte size and a manifest: the sha256 of every chunk. A chunk request names the digest and
+an index.
 
 Joiner side (``download_state``): probe the candidate donors, keep those at the wanted digest and round, group
 them by manifest (honest donors of one digest serialise identical bytes), and fetch the chunks of the largest
-group from all its donors at once. Chunks are dealt round-robin; a donor that runs out takes unstarted chunks
-from the busiest one; a chunk that fails (error, timeout, wrong length, hash not in the manifest) goes back to
-the pool and its donor is dropped. The assembled bytes must parse as safetensors with our own names, shapes and
-dtypes and hash to the agreed digest; otherwise the next group is tried. Nothing is unpickled, and every size
-a donor claims is bounded by the size of our own state.
+group from all its donors at once. Every donor pulls the next chunk as soon as one of its calls returns, so the
+donors that answer fastest serve the most. A chunk that fails (error, timeout, wrong length, hash not in the
+manifest) goes back to the front of the queue for the next free donor; a donor is dropped after its second
+failed call in a row (bad bytes or a state it no longer holds drop it at once). The whole download has one
+deadline (``Deadline``): from the state's size at first, then from the rate measured. The assembled bytes must
+parse as safetensors with our own names, shapes and dtypes and hash to the agreed digest; otherwise the next
+group is tried. Nothing is unpickled, and every size a donor claims is bounded by the size of our own state.
 """
 
 from __future__ import annotations
@@ -41,12 +45,19 @@ MAX_DONORS = 8  # probed at once; more only if none of these serves the state
 INFLIGHT = 2  # chunk requests in flight per donor
 SNAPSHOT_TTL_S = 60.0  # a snapshot nobody asked for this long is dropped
 KEEP_SNAPSHOTS = 2  # the current state and the one before (a download in progress across a round)
+STRIKES = 2  # failed calls in a row before a donor is dropped: one failure is forgiven
+MIN_RATE = 256 << 10  # bytes/s: until a rate is measured, the deadline allows the state's size at this rate
+RATE_SLACK = 4.0  # once measured, the deadline allows this multiple of the time the rest needs at that rate
 _HASH = 32  # sha256
 _HEADER_PER_TENSOR = 256  # safetensors' JSON header: about 80 bytes per flat tensor, padded to 8
 
 
 class StateSyncError(RpcError):
     """A download could not assemble a state that verifies."""
+
+
+class BadChunk(StateSyncError):
+    """A donor sent a chunk other than the one asked for, or one that does not match its manifest."""
 
 
 def chunk_hashes(data: bytes, chunk: int) -> bytes:
@@ -92,10 +103,11 @@ class SnapshotStore:
     async def answer(
         self, header: dict[str, Any], current: Callable[[], tuple[int, str, dict[str, torch.Tensor]]]
     ) -> tuple[dict[str, Any], bytes]:
-        """Answer a probe (no ``index``: take a snapshot of ``current()``) or a chunk request."""
+        """Answer a probe (no ``index``: the snapshot it ``want``s if held, else one of ``current()``) or a chunk
+        request."""
         chunk = check_chunk_size(header.get("chunk"))
         if "index" not in header:
-            snapshot = self._take(*current())
+            snapshot = self._held(header.get("want")) or self._take(*current())
             total = len(snapshot.data)
             if -(-total // chunk) > MAX_CHUNKS:
                 raise Rejected(f"chunks of {chunk} bytes would be more than {MAX_CHUNKS}")
@@ -109,6 +121,13 @@ class SnapshotStore:
         if not is_count(index) or index * chunk >= len(snapshot.data):
             raise Rejected(f"chunk {index!r} is out of range")
         return {"digest": digest}, snapshot.data[index * chunk : (index + 1) * chunk]
+
+    def _held(self, digest: Any) -> Snapshot | None:
+        """The snapshot of ``digest`` if this donor still holds it (it may have moved on since)."""
+        snapshot = self.snapshots.get(digest) if isinstance(digest, str) else None
+        if snapshot is not None:
+            self._touch(snapshot)
+        return snapshot
 
     def _take(self, round_: int, digest: str, tensors: dict[str, torch.Tensor]) -> Snapshot:
         snapshot = self.snapshots.pop(digest, None)
@@ -149,6 +168,28 @@ class Offer:
     manifest: bytes
 
 
+class Deadline:
+    """The one deadline of a download of a state of at most ``size`` bytes. At first it allows that size at
+    ``MIN_RATE`` plus ``floor_s``; as chunks arrive it follows the measured rate (``RATE_SLACK`` times the time
+    the rest needs at that rate, plus ``floor_s``), never later than the first bound. A stalled download ends."""
+
+    def __init__(self, floor_s: float, size: int, clock: Callable[[], float] = time.monotonic) -> None:
+        self.floor_s, self.clock = floor_s, clock
+        self.start = clock()
+        self.cap = self.at = self.start + floor_s + size / MIN_RATE
+        self._done = 0
+
+    def progress(self, received: int, remaining: int) -> None:
+        """``received`` more bytes arrived and ``remaining`` are still to come: follow the measured rate."""
+        self._done += received
+        now = self.clock()
+        rate = self._done / max(now - self.start, 1e-6)
+        self.at = min(self.cap, now + self.floor_s + RATE_SLACK * remaining / rate)
+
+    def left(self) -> float:
+        return self.at - self.clock()
+
+
 def state_size_bounds(expected: dict[str, torch.Tensor]) -> tuple[int, int]:
     """The byte sizes a safetensors file of tensors shaped like ``expected`` can have."""
     data = sum(t.numel() * t.element_size() for t in expected.values())
@@ -156,9 +197,16 @@ def state_size_bounds(expected: dict[str, torch.Tensor]) -> tuple[int, int]:
 
 
 async def probe(
-    transport: Transport, header: dict[str, Any], peer: str, chunk: int, bounds: tuple[int, int], timeout: float
+    transport: Transport,
+    header: dict[str, Any],
+    peer: str,
+    chunk: int,
+    bounds: tuple[int, int],
+    timeout: float,
+    want: str | None = None,
 ) -> Offer:
-    answer, manifest = await transport.call(peer, "state", {**header, "chunk": chunk}, timeout=timeout)
+    request = {**header, "chunk": chunk} if want is None else {**header, "chunk": chunk, "want": want}
+    answer, manifest = await transport.call(peer, "state", request, timeout=timeout)
     round_, digest, total = answer.get("round"), answer.get("digest"), answer.get("total")
     if not is_count(round_) or not isinstance(digest, str) or not 0 < len(digest) <= 64:
         raise StateSyncError(f"{peer[-8:]} offered round {round_!r}, digest {digest!r}")
@@ -179,66 +227,66 @@ def plan(offers: list[Offer], want_digest: str | None, max_round: int | None) ->
 
 
 async def fetch_chunks(
-    transport: Transport, header: dict[str, Any], offers: list[Offer], chunk: int, timeout: float
+    transport: Transport, header: dict[str, Any], offers: list[Offer], chunk: int, deadline: Deadline
 ) -> tuple[bytes, Counter[str]]:
     """The bytes of the state all ``offers`` promised, each chunk checked against the manifest on arrival;
-    also how many chunks each donor served."""
+    also how many chunks each donor served. Raises ``StateSyncError`` if a chunk is still missing when every
+    donor is dropped or the deadline passes."""
     first = offers[0]
     total, count = first.total, len(first.manifest) // _HASH
     data = bytearray(total)
-    dealt = {o.peer: deque(range(i, count, len(offers))) for i, o in enumerate(offers)}
-    pool: deque[int] = deque()  # chunks that failed somewhere, for whoever is free
-    dropped: set[str] = set()
+    queue: deque[int] = deque(range(count))  # chunks not fetched yet; a failed one goes back to the front
+    strikes: Counter[str] = Counter()  # failed calls in a row, per donor
     served: Counter[str] = Counter()
-    in_flight = 0
+    in_flight, remaining = 0, total
     changed = asyncio.Event()
 
-    def take(peer: str) -> int | None:
-        if pool:
-            return pool.popleft()
-        if dealt.get(peer):
-            return dealt[peer].popleft()
-        busiest = max(dealt.values(), key=len, default=None)
-        return busiest.pop() if busiest else None
-
-    async def get(peer: str, index: int) -> None:
+    async def get(peer: str, index: int, timeout: float) -> int:
         request = {**header, "chunk": chunk, "digest": first.digest, "index": index}
         answer, body = await transport.call(peer, "state", request, timeout=timeout)
         start = index * chunk
         if answer.get("digest") != first.digest or len(body) != min(chunk, total - start):
-            raise StateSyncError(f"chunk {index} from {peer[-8:]} is not the one asked for")
+            raise BadChunk(f"chunk {index} from {peer[-8:]} is not the one asked for")
         if hashlib.sha256(body).digest() != first.manifest[index * _HASH : (index + 1) * _HASH]:
-            raise StateSyncError(f"chunk {index} from {peer[-8:]} does not match the manifest")
+            raise BadChunk(f"chunk {index} from {peer[-8:]} does not match the manifest")
         data[start : start + len(body)] = body
+        return len(body)
 
     async def worker(peer: str) -> None:
-        nonlocal in_flight
-        while peer not in dropped:
-            index = take(peer)
-            if index is None:
+        nonlocal in_flight, remaining
+        while strikes[peer] < STRIKES and (left := deadline.left()) > 0:
+            if not queue:
                 if in_flight == 0:
                     return
                 changed.clear()
                 await changed.wait()
                 continue
+            index = queue.popleft()
             in_flight += 1
             try:
-                await get(peer, index)
-                served[peer] += 1
+                received = await get(peer, index, left)
             except RpcError as exc:
-                log.info("state chunk %d from %s failed (%s); another donor takes it", index, peer[-8:], exc)
-                pool.append(index)
-                if peer not in dropped:
-                    dropped.add(peer)
-                    pool.extend(dealt.pop(peer, ()))
+                queue.appendleft(index)
+                # Bad bytes, or a state the donor no longer holds, will not get better: drop it at once.
+                fatal = isinstance(exc, BadChunk) or getattr(exc, "code", None) == "gone"
+                strikes[peer] = STRIKES if fatal else strikes[peer] + 1
+                verdict = "dropped" if strikes[peer] >= STRIKES else "one more chance"
+                log.info(
+                    "state chunk %d from %s failed (%s); %s, another donor takes it", index, peer[-8:], exc, verdict
+                )
+            else:
+                strikes[peer] = 0
+                served[peer] += 1
+                remaining -= received
+                deadline.progress(received, remaining)
             finally:
                 in_flight -= 1
                 changed.set()
 
     await asyncio.gather(*(worker(o.peer) for o in offers for _ in range(INFLIGHT)))
-    missing = len(pool) + sum(len(q) for q in dealt.values())
-    if missing:
-        raise StateSyncError(f"{missing} of {count} chunks could not be fetched: every donor failed")
+    if queue:
+        why = "the download's deadline passed" if deadline.left() <= 0 else "every donor failed"
+        raise StateSyncError(f"{len(queue)} of {count} chunks could not be fetched: {why}")
     return bytes(data), served
 
 
@@ -271,12 +319,18 @@ async def download_state(
 
     ``expected``: our own state tensors (names, shapes, dtypes and size to hold the download to); a donor
     claiming a round beyond ``max_round`` is skipped, so one peer cannot drag our round number forward.
+    ``timeout`` bounds each probe and is the floor of the whole download's deadline (``Deadline``).
     """
     bounds = state_size_bounds(expected)
+    deadline = Deadline(timeout, bounds[1])  # the largest state we would accept
     for start in range(0, len(peers), MAX_DONORS):
         batch = peers[start : start + MAX_DONORS]
+        if (left := deadline.left()) <= 0:
+            log.warning("state download: the deadline passed before %d more donors were probed", len(peers) - start)
+            return None
         answers = await asyncio.gather(
-            *(probe(transport, header, p, chunk, bounds, timeout) for p in batch), return_exceptions=True
+            *(probe(transport, header, p, chunk, bounds, min(timeout, left), want_digest) for p in batch),
+            return_exceptions=True,
         )
         offers = []
         for peer, answer in zip(batch, answers, strict=True):
@@ -289,7 +343,7 @@ async def download_state(
         for group in plan(offers, want_digest, max_round):
             donors = [o.peer[-8:] for o in group]
             try:
-                data, served = await fetch_chunks(transport, header, group, chunk, timeout)
+                data, served = await fetch_chunks(transport, header, group, chunk, deadline)
                 tensors = parse_state(data, expected, group[0].digest)
             except StateSyncError as exc:
                 log.warning("state %s from %s failed: %s", group[0].digest[:8], donors, exc)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import os
 import sysconfig
 import zlib
@@ -40,12 +41,21 @@ class Corpus:
 
     def check_context(self, context: int) -> None:
         """Raise a ``DataError`` unless both splits hold at least one window of ``context + 1`` bytes."""
+        total = len(self.train) + len(self.val)
         for name, split in (("training", self.train), ("validation", self.val)):
             if len(split) < context + 1:
+                # A fix must suit both splits: the longest context that fits the shorter one (the minimum is 2),
+                # or a corpus large enough that, split the same way, each holds a window.
+                fits = min(len(self.train), len(self.val)) - 1
+                fixes = [f"a shorter context (--set model.context={fits})"] if fits >= 2 else []
+                share = math.ceil((context + 1) / total * 100) / 100
+                if name == "validation" and share < 0.5:
+                    fixes.append(f"a larger held-out share (--set data.val_fraction={share})")
+                smaller = max(min(len(self.train), len(self.val)), 1)
+                fixes.append(f"a larger corpus (about {math.ceil((context + 1) * total / smaller):,} bytes or more)")
                 raise DataError(
                     f"data error: the {name} split of {self.description} has {len(split)} bytes, fewer than one "
-                    f"window of model.context + 1 = {context + 1} bytes. Use a larger corpus or a shorter "
-                    f"context (--set model.context=N with N < {max(len(split) - 1, 1)})."
+                    f"window of model.context + 1 = {context + 1} bytes. Use " + ", or ".join(fixes) + "."
                 )
 
 

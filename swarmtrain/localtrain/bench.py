@@ -24,7 +24,14 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from swarmtrain.config import Config
-from swarmtrain.localtrain.config import ASYNC_METHODS, LocalTrainConfig, split_threads, thread_env, total_threads
+from swarmtrain.localtrain.config import (
+    ASYNC_METHODS,
+    LocalTrainConfig,
+    check_config,
+    split_threads,
+    thread_env,
+    total_threads,
+)
 from swarmtrain.localtrain.pss import PssSampler
 from swarmtrain.localtrain.shm import new_prefix, sweep
 from swarmtrain.localtrain.stats import PairedGap, geomean_ratio, paired_gap
@@ -292,6 +299,8 @@ def _mean_readout(runs: list[RunResult]) -> list[dict[str, float]]:
 def run_bench(spec: BenchSpec, on_result: Any = None) -> BenchReport:
     """Run every (seed, method) pair, global backprop first for each seed; ``on_result`` sees each run."""
     methods = (REFERENCE, *[m for m in spec.methods if m != REFERENCE])
+    for method in methods:  # a config error surfaces now, not after the global-backprop reference has run
+        check_config(spec.config, spec.lt.model_copy(update={"method": method}))
     results = []
     for seed in spec.seeds:
         for method in methods:

@@ -30,7 +30,7 @@ from swarmtrain.config import Config
 from swarmtrain.data import Corpus, train_batch
 from swarmtrain.localtrain.config import ASYNC_METHODS, LocalTrainConfig, split_threads, stage_cores, thread_env
 from swarmtrain.localtrain.control import Command, Control, StageState, Stat
-from swarmtrain.localtrain.errors import LocalTrainError, StageFailed
+from swarmtrain.localtrain.errors import LocalTrainError, StageFailed, WaitTimeout
 from swarmtrain.localtrain.rgc import ReadoutConsensus
 from swarmtrain.localtrain.ring import Ring, wait_until
 from swarmtrain.localtrain.shm import Segments
@@ -147,19 +147,34 @@ class PipelineEngine:
                     proc.start()
             self.procs.append(proc)
         if zygote is not None and zygote.subreaper:
-            zygote.close()  # retire it: its stages become this process's children, and its pages are freed
+            zygote.retire()  # its stages become this process's children, and its pages are freed
         control.set_pid(S - 1, os.getpid())
         self.owner = Stage(build_stage_module(config, S, S - 1), train)
         self.readout = self.owner.module.readout.weight
         self.snapshot.publish(self.readout.detach().numpy(), self.version)
-        self.act_in = act_rings[-1].bind("consumer", self.check)
-        self.grad_in = [ring.bind("consumer", self.check) for ring in grad_rings]
-        wait_until(
-            lambda: all(control.state(i) != StageState.STARTING for i in range(S - 1)), self.check, lt.start_timeout
-        )
+        owner = f"stage {S - 1} (the owner, pid {os.getpid()})"
+        self.act_in = act_rings[-1].bind("consumer", self.check, label=owner)
+        self.grad_in = [ring.bind("consumer", self.check, label=owner) for ring in grad_rings]
+
+        def starting() -> list[int]:
+            return [i for i in range(S - 1) if control.state(i) == StageState.STARTING]
+
+        try:
+            wait_until(lambda: not starting(), self.check, lt.start_timeout, "the stage processes to start")
+        except WaitTimeout:
+            raise LocalTrainError(
+                f"localtrain error: {self._stages(starting())} did not start within localtrain.start_timeout = "
+                f"{lt.start_timeout:g} s (importing torch and building a stage's part of the model). On a busy or "
+                "slow machine raise it (--set localtrain.start_timeout=600), or use fewer localtrain.stages."
+            ) from None
         self.check()
         control.set_state(S - 1, StageState.RUNNING)
         control.horizon = horizon
+
+    def _stages(self, indices: list[int]) -> str:
+        pids = {i: getattr(self.procs[i], "pid", None) if i < len(self.procs) else None for i in indices}
+        named = ", ".join(f"{i} (pid {pids[i]})" for i in indices)
+        return f"stage {named}" if len(indices) == 1 else f"stages {named}"
 
     def check(self) -> None:
         """Raise ``StageFailed`` if a stage process died or reported an error (runs during every wait)."""
@@ -264,17 +279,28 @@ class PipelineEngine:
                 f"its horizon, step {control.horizon}); it is at step {self.step}. Call set_horizon(step + H) "
                 "before H inner steps so the pipeline drains at their end."
             )
-        wait_until(
-            lambda: all(control.steps_done(i) >= self.step for i in range(self.stages - 1)),
-            self.check,
-            self.lt.wait_timeout,
-        )
+
+        def behind() -> list[int]:
+            return [i for i in range(self.stages - 1) if control.steps_done(i) < self.step]
+
+        try:
+            wait_until(lambda: not behind(), self.check, self.lt.wait_timeout, "the stages to drain")
+        except WaitTimeout:
+            raise WaitTimeout(
+                f"draining the pipeline at step {self.step}: {self._stages(behind())} did not reach it within "
+                f"localtrain.wait_timeout = {self.lt.wait_timeout:g} s"
+            ) from None
 
     def _command(self, index: int, command: Command) -> None:
         control = self.control
         assert control is not None
         seq = control.send(index, command)
-        wait_until(lambda: control.acked(index) >= seq, self.check, self.lt.wait_timeout)
+        wait_until(
+            lambda: control.acked(index) >= seq,
+            self.check,
+            self.lt.wait_timeout,
+            f"{self._stages([index])} to acknowledge {command.name}",
+        )
 
     def gathered_state(self) -> dict[str, torch.Tensor]:
         """Every parameter of the model, by its ``ByteTransformer`` name (copies, not live tensors)."""

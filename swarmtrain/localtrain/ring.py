@@ -47,10 +47,13 @@ def _round64(n: int) -> int:
     return (n + 63) // 64 * 64
 
 
-def wait_until(ready: Callable[[], bool], check: Hook, timeout: float) -> float:
+def wait_until(
+    ready: Callable[[], bool], check: Hook, timeout: float, what: str | Callable[[], str] = "the condition"
+) -> float:
     """Poll ``ready`` with backoff until it holds; ``check`` (which raises to give up) runs every few ms.
 
-    Returns the seconds spent waiting (0.0 when ``ready`` already held).
+    Returns the seconds spent waiting (0.0 when ``ready`` already held). On timeout ``WaitTimeout`` says what
+    was awaited (``what``, or ``what()`` evaluated then, so it can name the stages still missing).
     """
     if ready():
         return 0.0
@@ -63,7 +66,8 @@ def wait_until(ready: Callable[[], bool], check: Hook, timeout: float) -> float:
         if now >= next_check:
             check()
             if now >= deadline:
-                raise WaitTimeout(f"waited {timeout:.1f} s without progress")
+                awaited = what() if callable(what) else what
+                raise WaitTimeout(f"waited {timeout:.1f} s for {awaited} without progress")
             next_check = now + CHECK_INTERVAL
         time.sleep(pause)
         pause = min(pause * 2, MAX_PAUSE)
@@ -99,6 +103,7 @@ class Ring:
         self._shm = shm
         self._owner = owner
         self.role: str | None = None
+        self.label = f"pid {os.getpid()}"  # who waits, in timeout messages (``bind`` names the stage)
         self._hook: Hook | None = None
         self._header = np.ndarray((HEADER_BYTES // 8,), dtype=np.int64, buffer=shm.buf, offset=0)
         stride = SLOT_HEADER_BYTES + _round64(spec.slot_bytes)
@@ -133,12 +138,15 @@ class Ring:
             raise ValueError(f"shared-memory segment {spec.name} is not a ring of depth {spec.depth}")
         return ring
 
-    def bind(self, role: str, hook: Hook | None = None, pid: int | None = None) -> Ring:
-        """Take the ``"producer"`` or ``"consumer"`` side; ``hook`` runs during waits and may raise to abort."""
+    def bind(self, role: str, hook: Hook | None = None, pid: int | None = None, label: str | None = None) -> Ring:
+        """Take the ``"producer"`` or ``"consumer"`` side; ``hook`` runs during waits and may raise to abort;
+        ``label`` names this side (``"stage 1"``) in timeout messages."""
         if role not in ("producer", "consumer"):
             raise ValueError(f"ring role must be producer or consumer, not {role!r}")
         self.role = role
         self._hook = hook
+        if label is not None:
+            self.label = label
         self._header[_PRODUCER_PID if role == "producer" else _CONSUMER_PID] = pid or os.getpid()
         return self
 
@@ -177,6 +185,7 @@ class Ring:
             lambda: header[_WRITE_SEQ] - header[_READ_SEQ] < depth,
             lambda: self._check_peer(_CONSUMER_PID, _CONSUMER_CLOSED, "consumer"),
             timeout,
+            f"{self.label}: a free slot in ring {self.spec.name} (its consumer is not taking items)",
         )
         start = time.perf_counter()
         seq = int(header[_WRITE_SEQ])
@@ -212,7 +221,12 @@ class Ring:
             elif self._hook is not None:
                 self._hook()
 
-        self.wait_seconds += wait_until(lambda: header[_WRITE_SEQ] > header[_READ_SEQ], check, timeout)
+        self.wait_seconds += wait_until(
+            lambda: header[_WRITE_SEQ] > header[_READ_SEQ],
+            check,
+            timeout,
+            f"{self.label}: the next item in ring {self.spec.name} (its producer is not sending)",
+        )
         start = time.perf_counter()
         seq = int(header[_READ_SEQ])
         slot = seq % self.spec.depth

@@ -69,7 +69,9 @@ class Snapshot:
         """The latest published version (-1 before the first); a plain word read, exact once the writer is done."""
         return int(self._header[_VERSION])
 
-    def read_into(self, out: np.ndarray, check: Hook | None = None, timeout: float = 60.0) -> int:
+    def read_into(
+        self, out: np.ndarray, check: Hook | None = None, timeout: float = 60.0, who: str = "a reader"
+    ) -> int:
         """Copy a consistent snapshot into ``out``; return its version (-1 if nothing was published yet).
 
         A read that overlaps a write is retried; ``check`` and ``timeout`` bound the wait for a writer that died
@@ -84,11 +86,21 @@ class Snapshot:
                 if int(header[_SEQ]) == first:
                     return version
             self.retries += 1
-            self.wait_seconds += wait_until(lambda: header[_SEQ] % 2 == 0, check or _no_check, timeout)
+            self.wait_seconds += wait_until(
+                lambda: header[_SEQ] % 2 == 0,
+                check or _no_check,
+                timeout,
+                f"{who}: the readout snapshot's writer (the owner stage) to finish a write",
+            )
 
-    def wait_for(self, min_version: int, check: Hook, timeout: float) -> None:
+    def wait_for(self, min_version: int, check: Hook, timeout: float, who: str = "a reader") -> None:
         """Block until a snapshot of at least ``min_version`` is published (this is what bounds staleness)."""
-        self.wait_seconds += wait_until(lambda: self._header[_VERSION] >= min_version, check, timeout)
+        self.wait_seconds += wait_until(
+            lambda: self._header[_VERSION] >= min_version,
+            check,
+            timeout,
+            f"{who}: readout snapshot version {min_version} from the owner stage",
+        )
 
     def detach(self) -> None:
         self._header = self._payload = None  # type: ignore[assignment]

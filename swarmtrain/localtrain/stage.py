@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import os
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -32,6 +33,25 @@ def setup_threads(threads: int, cores: list[int] | None = None) -> None:
         torch.set_num_interop_threads(1)
     except RuntimeError:  # the inter-op pool already started (torch ran ops in this process before)
         pass
+
+
+@dataclass(frozen=True)
+class ThreadState:
+    """A process's torch thread count and CPU affinity: what localtrain puts back when it closes, so the
+    process that ran it (a node, a test, a notebook) keeps its own budget."""
+
+    threads: int
+    cores: frozenset[int] | None
+
+    @classmethod
+    def current(cls) -> ThreadState:
+        cores = frozenset(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
+        return cls(torch.get_num_threads(), cores)
+
+    def restore(self) -> None:
+        if self.cores is not None and hasattr(os, "sched_setaffinity"):
+            os.sched_setaffinity(0, self.cores)
+        torch.set_num_threads(self.threads)
 
 
 def lr_at(train: TrainConfig, step: int) -> float:

@@ -26,7 +26,7 @@ from swarmtrain.data import Corpus, eval_starts, train_batch, windows
 from swarmtrain.localtrain.config import ASYNC_METHODS, LocalTrainConfig, check_config, total_threads
 from swarmtrain.localtrain.pipeline import PipelineEngine
 from swarmtrain.localtrain.serial import SerialEngine
-from swarmtrain.localtrain.stage import Stage, StageModule, local_loss, setup_threads
+from swarmtrain.localtrain.stage import Stage, StageModule, ThreadState, local_loss, setup_threads
 from swarmtrain.model import VOCAB, ByteTransformer
 
 
@@ -117,13 +117,25 @@ class LocalTrainer:
         check_config(config, lt)
         self.config, self.corpus, self.lt = config, corpus, lt
         self.engine: Engine
-        if lt.method == "global-bp":
-            self.engine = GlobalEngine(config, corpus, lt, data_seed=data_seed)
-        elif lt.method in ASYNC_METHODS:
-            self.engine = PipelineEngine(config, corpus, lt, prefix=prefix, horizon=horizon, data_seed=data_seed)
-        else:
-            setup_threads(total_threads(lt))
-            self.engine = SerialEngine(config, corpus, lt, data_seed=data_seed)
+        # This process runs the owner stage (or all of them) with localtrain's threads and cores; close() puts
+        # the caller's own back.
+        self._caller: ThreadState | None = ThreadState.current()
+        try:
+            if lt.method == "global-bp":
+                self.engine = GlobalEngine(config, corpus, lt, data_seed=data_seed)
+            elif lt.method in ASYNC_METHODS:
+                self.engine = PipelineEngine(config, corpus, lt, prefix=prefix, horizon=horizon, data_seed=data_seed)
+            else:
+                setup_threads(total_threads(lt))
+                self.engine = SerialEngine(config, corpus, lt, data_seed=data_seed)
+        except BaseException:
+            self._restore_caller()
+            raise
+
+    def _restore_caller(self) -> None:
+        if self._caller is not None:
+            self._caller.restore()
+            self._caller = None
 
     @property
     def step(self) -> int:
@@ -170,11 +182,15 @@ class LocalTrainer:
         return self.engine.breakdown()
 
     def close(self, abort: bool = False) -> None:
-        """Release the stages (async: stop or abort their processes, then unlink every shared segment)."""
-        if isinstance(self.engine, PipelineEngine):
-            self.engine.close(abort=abort)
-        else:
-            self.engine.close()
+        """Release the stages (async: stop or abort their processes, then unlink every shared segment) and give
+        this process back the thread count and CPU affinity it had before."""
+        try:
+            if isinstance(self.engine, PipelineEngine):
+                self.engine.close(abort=abort)
+            else:
+                self.engine.close()
+        finally:
+            self._restore_caller()
 
     def __enter__(self) -> LocalTrainer:
         return self

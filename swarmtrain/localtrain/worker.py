@@ -67,9 +67,14 @@ class UpstreamWorker:
         self.corpus = load_corpus(self.config.data)
         self.rgc = spec.method == "rgc-async"
         self._handles: list[Any] = []
-        self.act_in = self._keep(Ring.attach(spec.act_in).bind("consumer", self.check)) if spec.act_in else None
-        self.act_out = self._keep(Ring.attach(spec.act_out).bind("producer", self.check))
-        self.grad_out = self._keep(Ring.attach(spec.grad_out).bind("producer", self.check)) if spec.grad_out else None
+        me = f"stage {spec.index}"
+        self.act_in = (
+            self._keep(Ring.attach(spec.act_in).bind("consumer", self.check, label=me)) if spec.act_in else None
+        )
+        self.act_out = self._keep(Ring.attach(spec.act_out).bind("producer", self.check, label=me))
+        self.grad_out = (
+            self._keep(Ring.attach(spec.grad_out).bind("producer", self.check, label=me)) if spec.grad_out else None
+        )
         self.snapshot = self._keep(Snapshot.attach(spec.snapshot, spec.readout_shape))
         self.params_shm = attach_segment(spec.params)
         self.stage = Stage(build_stage_module(self.config, spec.stages, spec.index), self.config.train)
@@ -125,9 +130,11 @@ class UpstreamWorker:
         need = step - self.max_lag
         if self.snapshot.version > self.readout_version or self.readout_version < need:
             if self.snapshot.version < need:
-                self.snapshot.wait_for(need, self.check, self.spec.wait_timeout)
+                self.snapshot.wait_for(need, self.check, self.spec.wait_timeout, who=f"stage {self.spec.index}")
             with torch.no_grad():
-                self.readout_version = self.snapshot.read_into(self.readout_np, self.check, self.spec.wait_timeout)
+                self.readout_version = self.snapshot.read_into(
+                    self.readout_np, self.check, self.spec.wait_timeout, who=f"stage {self.spec.index}"
+                )
 
     def train_step(self, step: int) -> None:
         spec, stats, timeout = self.spec, self.stats, self.spec.wait_timeout

@@ -102,10 +102,11 @@ class ForkedProcess:
 class Zygote:
     """The main process's handle on its zygote (``start_zygote`` makes one)."""
 
-    def __init__(self, pid: int, conn: Connection, subreaper: bool) -> None:
+    def __init__(self, pid: int, conn: Connection, subreaper: bool, froze: bool = False) -> None:
         self.pid, self.owner = pid, os.getpid()
         self.subreaper = subreaper  # this process adopts the zygote's children when it exits
         self._conn: Connection | None = conn
+        self._froze = froze  # start_zygote froze this process's objects; close() unfreezes them
 
     @property
     def usable(self) -> bool:
@@ -124,6 +125,14 @@ class Zygote:
         return ForkedProcess(pid, self.pid, name)
 
     def close(self, timeout: float = 10.0) -> None:
+        """``retire`` the zygote and unfreeze what ``start_zygote`` froze in this process (call it once the
+        zygote's children are done); safe to call twice."""
+        self.retire(timeout)
+        if self._froze and os.getpid() == self.owner:
+            gc.unfreeze()
+            self._froze = False
+
+    def retire(self, timeout: float = 10.0) -> None:
         """Close the pipe (the zygote reaps what has exited and leaves) and reap the zygote; safe to call twice."""
         global _current
         if _current is self:
@@ -184,11 +193,23 @@ def start_zygote(close_fds: Iterable[Any] = ()) -> Zygote:
     to_close = list(close_fds)
     # The cyclic GC writes into the header of every object it scans, which would copy each page of torch's
     # Python objects into every process; objects frozen here are never scanned again, so their pages stay shared.
-    gc.collect()
-    gc.freeze()
+    # Only the children need that: this process unfreezes right after the fork (leaving the interpreter as it
+    # found it), unless its own code had frozen objects already, and then it freezes nothing.
+    # This process stays frozen while the zygote's children run (its pages stay shared with theirs), and
+    # ``Zygote.close`` unfreezes it, leaving the interpreter as it found it. If the caller had frozen objects
+    # itself, nothing is frozen here (and nothing unfrozen).
+    freeze = gc.get_freeze_count() == 0
+    if freeze:
+        gc.collect()
+        gc.freeze()
     sys.stdout.flush()
     sys.stderr.flush()
-    pid = os.fork()
+    try:
+        pid = os.fork()
+    except BaseException:
+        if freeze:
+            gc.unfreeze()
+        raise
     if pid == 0:  # the zygote
         code = 1
         try:
@@ -202,7 +223,7 @@ def start_zygote(close_fds: Iterable[Any] = ()) -> Zygote:
         finally:
             os._exit(code)
     theirs.close()
-    _current = Zygote(pid, ours, _become_subreaper())
+    _current = Zygote(pid, ours, _become_subreaper(), froze=freeze)
     return _current
 
 

@@ -3,8 +3,11 @@
     swarmtrain node --run-dir runs/a --resume --join /ip4/203.0.113.5/tcp/31337/p2p/12D3KooW...
 
 A node checkpoint holds the inner trainer's state (``node.inner``), theta_g and the outer momentum as
-``outer.theta`` / ``outer.momentum``, and the round and digest of that outer state in its metadata. Everything
-here runs before the node starts its daemons or writes to the run directory, so a refused start changes nothing.
+``outer.theta`` / ``outer.momentum``, and the round and digest of that outer state in its metadata; the file's
+checksums cover every tensor (the inner trainer's included) and the metadata. ``--resume`` walks back from the
+newest checkpoint to the first that passes those checks and the outer digest, and names each one it skipped.
+Everything here runs before the node starts its daemons or writes to the run directory (stale temp files of a
+killed write aside), so a refused start changes nothing else.
 """
 
 from __future__ import annotations
@@ -16,7 +19,15 @@ import torch
 from swarmtrain.averaging import state_digest
 from swarmtrain.config import Config
 from swarmtrain.errors import CheckpointError
-from swarmtrain.train import Checkpoint, check_compatible, latest_checkpoint, list_checkpoints
+from swarmtrain.train import (
+    Checkpoint,
+    DamagedCheckpoint,
+    check_compatible,
+    find_resumable,
+    list_checkpoints,
+    no_intact_checkpoint,
+    remove_stale_temps,
+)
 
 OUTER = ("theta", "momentum")
 
@@ -31,16 +42,23 @@ def open_run_dir(config: Config, resume: bool) -> Checkpoint | None:
                 f"--resume to continue it (`swarmtrain node --run-dir {run_dir} --resume ...`), or choose a new "
                 "--run-dir to start another node."
             )
+        remove_stale_temps(run_dir)
         return None
-    checkpoint = latest_checkpoint(run_dir)
-    if checkpoint is None:
-        raise CheckpointError(
-            f"checkpoint error: --resume found no readable checkpoint in {run_dir / 'checkpoints'}. Drop --resume "
-            "to start a new node there, or point --run-dir at the run directory of the node to continue."
-        )
-    check_compatible(checkpoint, config)
-    outer_state(checkpoint)
-    return checkpoint
+    found = find_resumable(run_dir, check=lambda checkpoint: _check(checkpoint, config))
+    if found.checkpoint is None:
+        raise no_intact_checkpoint(
+            run_dir, found, "Drop --resume to start a new node there, or point --run-dir at the run directory of the "
+            "node to continue.",
+        )  # fmt: skip
+    if found.skipped:
+        print(found.report(), flush=True)
+    remove_stale_temps(run_dir)
+    return found.checkpoint
+
+
+def _check(checkpoint: Checkpoint, config: Config) -> None:
+    check_compatible(checkpoint, config)  # another model: the user's config, refused
+    outer_state(checkpoint)  # a damaged outer state: skipped, the walk goes on
 
 
 def outer_state(checkpoint: Checkpoint) -> tuple[int, str, dict[str, torch.Tensor]]:
@@ -56,8 +74,8 @@ def outer_state(checkpoint: Checkpoint) -> tuple[int, str, dict[str, torch.Tenso
         )
     found = {k: t for k, t in tensors.items() if t is not None}
     if found["theta"].shape != found["momentum"].shape or state_digest(*found.values()) != digest:
-        raise CheckpointError(
+        raise DamagedCheckpoint(
             f"checkpoint error: the outer state in {checkpoint.path} does not match its digest {digest[:8]} (the "
-            "file is damaged). Move it out of the checkpoints folder to resume from the one before."
+            "file is damaged)."
         )
     return round_, digest, found

@@ -17,7 +17,13 @@ from swarmtrain.config import Config, write_resolved
 from swarmtrain.data import load_corpus
 from swarmtrain.errors import CheckpointError, ConfigError
 from swarmtrain.model import count_parameters
-from swarmtrain.train.checkpoint import latest_checkpoint, list_checkpoints, save_checkpoint
+from swarmtrain.train.checkpoint import (
+    find_resumable,
+    list_checkpoints,
+    no_intact_checkpoint,
+    remove_stale_temps,
+    save_checkpoint,
+)
 from swarmtrain.train.trainer import Trainer, configure_threads
 
 
@@ -42,13 +48,13 @@ def run_training(config: Config, resume: bool = False, console: Console | None =
     run_dir = Path(config.run_dir)
     corpus = load_corpus(config.data)
     corpus.check_context(config.model.context)
-    checkpoint = None
+    checkpoint, skipped = None, ""
     if resume:
-        checkpoint = latest_checkpoint(run_dir)
+        found = find_resumable(run_dir)
+        checkpoint, skipped = found.checkpoint, found.report()
         if checkpoint is None:
-            raise CheckpointError(
-                f"checkpoint error: --resume found no readable checkpoint in {run_dir / 'checkpoints'}. "
-                "Drop --resume to start a new run there, or point --run-dir at the run to continue."
+            raise no_intact_checkpoint(
+                run_dir, found, "Drop --resume to start a new run there, or point --run-dir at the run to continue."
             )
     elif existing := list_checkpoints(run_dir):
         raise CheckpointError(
@@ -59,6 +65,7 @@ def run_training(config: Config, resume: bool = False, console: Console | None =
     trainer = Trainer(config, corpus)
     if checkpoint is not None:
         trainer.load_state(checkpoint)
+    remove_stale_temps(run_dir)
     write_resolved(config, run_dir)
     metrics_path = run_dir / "metrics.jsonl"
 
@@ -68,6 +75,8 @@ def run_training(config: Config, resume: bool = False, console: Console | None =
         f"context {m.context}); corpus: {corpus.description}, {len(corpus.train):,} train / {len(corpus.val):,} "
         f"held-out bytes; {threads} threads; run dir {run_dir}"
     )
+    if skipped:
+        console.print(skipped)
     if checkpoint is not None:
         console.print(f"resumed from {checkpoint.path.name} at step {trainer.step}")
 
