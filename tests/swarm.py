@@ -27,11 +27,26 @@ TINY = [
 ]
 
 
+def slowdown(sample_s: float = 0.3) -> float:
+    """How much less CPU this process gets than the wall clock passes, measured now (1 on an idle machine, about 2
+    with every core shared by two busy processes). The tests' waits were set on an idle 2-core machine; they scale by
+    this so that a loaded machine gets the time it needs and an idle one fails as fast as before (capped at 4x)."""
+    started_wall, started_cpu = time.perf_counter(), time.process_time()
+    x = 0
+    while time.perf_counter() - started_wall < sample_s:
+        for i in range(10_000):
+            x += i
+    cpu = max(time.process_time() - started_cpu, 1e-3)
+    return min(4.0, max(1.0, (time.perf_counter() - started_wall) / cpu))
+
+
 class Swarm:
-    """Starts node processes and always reaps them (kill by PID, only the ones it started)."""
+    """Starts node processes and always reaps them (kill by PID, only the ones it started). Waits are bounded, and
+    their bounds scale with ``slowdown()`` as measured when the swarm was created."""
 
     def __init__(self, root: Path, data: Path, settings: list[str]) -> None:
         self.root, self.data, self.settings = root, data, settings
+        self.slowdown = slowdown()
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
         self.daemons: dict[int, str] = {}  # p2pd children of our nodes: reaped too if a node was killed
 
@@ -67,6 +82,7 @@ class Swarm:
 
     def join_line(self, name: str, timeout: float = 60) -> str:
         path = self.root / name / "join.txt"
+        timeout *= self.slowdown
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if path.exists() and path.read_text().strip():
@@ -74,7 +90,7 @@ class Swarm:
                 return path.read_text().split()[0]
             assert self.procs[name].poll() is None, self.log(name)
             time.sleep(0.1)
-        raise AssertionError(f"{name} did not come up:\n{self.log(name)}")
+        raise AssertionError(f"{name} did not come up in {timeout:.0f} s:\n{self.log(name)}")
 
     def _note_daemons(self, pid: int) -> None:
         for children in Path(f"/proc/{pid}/task").glob("*/children"):
@@ -97,22 +113,25 @@ class Swarm:
         return [r for r in self.metrics(name) if r["kind"] == "round"]
 
     def wait(self, names: list[str], timeout: float) -> None:
+        timeout *= self.slowdown
         deadline = time.monotonic() + timeout
         for name in names:
             remaining = max(0.1, deadline - time.monotonic())
             try:
                 code = self.procs[name].wait(timeout=remaining)
             except subprocess.TimeoutExpired:
-                raise AssertionError(f"{name} still running after {timeout} s:\n{self.log(name)}") from None
+                raise AssertionError(f"{name} still running after {timeout:.0f} s:\n{self.log(name)}") from None
             assert code == 0, f"{name} exited with {code}:\n{self.log(name)}"
 
     def wait_until(self, condition: Callable[[], bool], timeout: float, what: str) -> None:
         """Poll ``condition`` until it holds; after ``timeout`` s fail with ``what`` and the nodes' log tails."""
+        timeout *= self.slowdown
         deadline = time.monotonic() + timeout
         while not condition():
             if time.monotonic() > deadline:
                 logs = "\n".join(f"--- {name}\n{self.log(name)[-1500:]}" for name in self.procs)
-                raise AssertionError(f"timed out after {timeout} s waiting for {what}\n{logs}")
+                waited = f"{timeout:.0f} s (x{self.slowdown:.1f} for load)"
+                raise AssertionError(f"timed out after {waited} waiting for {what}\n{logs}")
             time.sleep(0.2)
 
     def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
