@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import random
+import signal
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -29,6 +30,13 @@ def english_like(n_bytes: int, seed: int = 0) -> bytes:
         out.append(sentence)
         size += len(sentence)
     return "".join(out).encode()[:n_bytes]
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """SIGTERM (``timeout``, a CI runner giving up) stops the suite like Ctrl+C, so fixtures still reap the
+    processes, daemons and shared-memory segments of the test in progress."""
+    if signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, signal.default_int_handler)
 
 
 @pytest.fixture

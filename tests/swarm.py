@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import signal
@@ -10,6 +11,8 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 TINY = [
     "model.depth=1",
@@ -64,9 +67,9 @@ class Swarm:
             args += ["--join", address]
         env = {k: v for k, v in os.environ.items() if not k.startswith("SWARMTRAIN_")}
         log = open(run_dir / "node.log", "wb")  # noqa: SIM115
-        # Started with SIGINT ignored, as a background job of a script would be: Ctrl+C must still leave gracefully.
+        # Started with SIGINT ignored (see child_setup): Ctrl+C must still leave gracefully.
         self.procs[name] = subprocess.Popen(
-            args, stdout=log, stderr=subprocess.STDOUT, env=env, preexec_fn=_ignore_sigint
+            args, stdout=log, stderr=subprocess.STDOUT, env=env, preexec_fn=child_setup
         )
         return self.procs[name]
 
@@ -148,7 +151,10 @@ class Swarm:
                 os.kill(pid, signal.SIGKILL)
 
 
-def _ignore_sigint() -> None:
+def child_setup() -> None:
+    """``preexec_fn`` of the processes tests start: die with the test process (a test runner killed from outside
+    must not leave nodes behind), and start with SIGINT ignored, as a background job of a script would be."""
+    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 

@@ -15,12 +15,13 @@ import pytest
 
 from swarmtrain.compression import get_codec
 
-from .swarm import Swarm
+from .swarm import Swarm, child_setup
 
 
 def start_logged(args: list[str], log_path: Path, **kwargs: object) -> tuple[subprocess.Popen[bytes], Path]:
     with open(log_path, "wb") as log:
-        return subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, **kwargs), log_path  # type: ignore[call-overload]
+        proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, preexec_fn=child_setup, **kwargs)  # type: ignore[call-overload]
+        return proc, log_path
 
 
 def wait_for_match(proc: subprocess.Popen[bytes], log_path: Path, pattern: str, timeout: float = 60) -> str:
