@@ -158,7 +158,10 @@ def state_size_bounds(expected: dict[str, torch.Tensor]) -> tuple[int, int]:
 async def probe(
     transport: Transport, header: dict[str, Any], peer: str, chunk: int, bounds: tuple[int, int], timeout: float
 ) -> Offer:
-    answer, manifest = await transport.call(peer, "state", {**header, "chunk": chunk}, timeout=timeout)
+    largest = -(-bounds[1] // chunk) * _HASH  # the manifest of the largest state we can accept
+    answer, manifest = await transport.call(
+        peer, "state", {**header, "chunk": chunk}, timeout=timeout, max_reply=largest
+    )
     round_, digest, total = answer.get("round"), answer.get("digest"), answer.get("total")
     if not is_count(round_) or not isinstance(digest, str) or not 0 < len(digest) <= 64:
         raise StateSyncError(f"{peer[-8:]} offered round {round_!r}, digest {digest!r}")
@@ -203,7 +206,7 @@ async def fetch_chunks(
 
     async def get(peer: str, index: int) -> None:
         request = {**header, "chunk": chunk, "digest": first.digest, "index": index}
-        answer, body = await transport.call(peer, "state", request, timeout=timeout)
+        answer, body = await transport.call(peer, "state", request, timeout=timeout, max_reply=chunk)
         start = index * chunk
         if answer.get("digest") != first.digest or len(body) != min(chunk, total - start):
             raise StateSyncError(f"chunk {index} from {peer[-8:]} is not the one asked for")
