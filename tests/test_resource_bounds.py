@@ -14,6 +14,7 @@ import torch
 from swarmtrain.averaging import PROTOCOL_VERSION, Averager
 from swarmtrain.compression import CodecError, get_codec
 from swarmtrain.net import MemoryNetwork, PeerUnreachable, RemoteError
+from swarmtrain.net.rpc import MAX_CALLS_PER_PEER
 
 NUMEL = 10_000
 HEADER = {"run": "test", "v": PROTOCOL_VERSION}
@@ -101,3 +102,26 @@ def test_a_payload_with_other_codec_parameters_than_the_rounds_is_refused() -> N
     assert torch.count_nonzero(agreed.decode(agreed.encode(x), NUMEL)) == 100
     powersgd = get_codec("powersgd:rank=2")  # its scale depends on the data, not on the agreed options
     assert powersgd.decode(powersgd.encode(x), NUMEL).shape == (NUMEL,)
+
+
+async def test_one_peer_cannot_hold_more_than_its_share_of_open_calls() -> None:
+    """Fails on 15d95af: a peer could keep any number of calls open at a node (each with its stream and buffers)."""
+    net = MemoryNetwork()
+    server = net.transport("server")
+    release = asyncio.Event()
+
+    async def slow(sender: str, header: dict[str, Any], body: bytes) -> tuple[dict[str, Any], bytes]:
+        await release.wait()
+        return {}, b""
+
+    await server.serve("slow", slow, max_body=0)
+    greedy, other = net.transport("greedy"), net.transport("other")
+    calls = [asyncio.create_task(greedy.call("server", "slow", {}, timeout=10)) for _ in range(MAX_CALLS_PER_PEER + 8)]
+    await asyncio.sleep(0.05)
+    refused = [t for t in calls if t.done() and isinstance(t.exception(), PeerUnreachable)]
+    assert len(refused) == 8, f"{len(refused)} of {len(calls)} calls of one peer refused at once"
+    served = asyncio.create_task(other.call("server", "slow", {}, timeout=10))
+    release.set()
+    assert await served == ({}, b"")
+    results = await asyncio.gather(*calls, return_exceptions=True)
+    assert sum(r == ({}, b"") for r in results) == MAX_CALLS_PER_PEER

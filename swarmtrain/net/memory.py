@@ -15,6 +15,7 @@ from swarmtrain.net.rpc import (
     MAX_HEADER,
     BadMessage,
     ByteCounter,
+    PeerLimit,
     PeerUnreachable,
     RemoteError,
     RpcTimeout,
@@ -50,6 +51,7 @@ class MemoryTransport(Transport):
         self.peer_id = peer_id
         self.counter = ByteCounter()
         self.auth = auth
+        self.limit = PeerLimit()
 
     async def call_stream(
         self,
@@ -91,6 +93,9 @@ class MemoryTransport(Transport):
                 index += 1
                 yield frame
 
+        limit = net.transports[peer].limit
+        if not limit.acquire(self.peer_id):
+            raise PeerUnreachable(f"{method} to {peer}: {limit.limit} calls open there already, stream reset")
         try:
             async with asyncio.timeout(timeout):
                 if net.delay:
@@ -100,6 +105,8 @@ class MemoryTransport(Transport):
             raise RpcTimeout(f"{method} to {peer} timed out") from None
         except (ConnectionError, PeerUnreachable) as exc:
             raise PeerUnreachable(f"{method} to {peer}: {exc}") from None
+        finally:
+            limit.release(self.peer_id)
         if self.peer_id in net.dead or peer in net.dead:
             raise PeerUnreachable(f"{method} to {peer}: connection lost")
         raw = pack_header(response)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from abc import ABC, abstractmethod
+from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -29,6 +30,7 @@ from swarmtrain.net.auth import PUBLIC, Refused, SwarmAuth
 log = logging.getLogger(__name__)
 
 MAX_HEADER = 1 << 16
+MAX_CALLS_PER_PEER = 32
 _LEN_BYTES = 8
 _PREFIX = "swarmtrain/"
 
@@ -74,12 +76,33 @@ class ByteCounter:
     received: int = 0
 
 
+class PeerLimit:
+    """Calls each remote peer has open at this node: one peer cannot hold streams (and their buffers) without
+    bound. A round needs a handful per peer (parts, results, report, digest, ping, a few state chunks)."""
+
+    def __init__(self, limit: int = MAX_CALLS_PER_PEER) -> None:
+        self.limit = limit
+        self.open: Counter[str] = Counter()
+
+    def acquire(self, peer: str) -> bool:
+        if self.open[peer] >= self.limit:
+            return False
+        self.open[peer] += 1
+        return True
+
+    def release(self, peer: str) -> None:
+        self.open[peer] -= 1
+        if self.open[peer] <= 0:
+            del self.open[peer]
+
+
 class Transport(ABC):
     """What the protocol code sees: streamed calls and handlers; the one-frame forms are built on them."""
 
     peer_id: str
     counter: ByteCounter
     auth: SwarmAuth = PUBLIC  # who may call this node and how its calls prove the swarm key
+    limit: PeerLimit  # calls each peer may have open at this node
 
     @abstractmethod
     async def call_stream(
@@ -186,6 +209,7 @@ class P2PTransport(Transport):
         self.counter = ByteCounter()
         self.max_response = max_response
         self.auth = auth
+        self.limit = PeerLimit()
 
     async def call_stream(
         self,
@@ -243,6 +267,12 @@ class P2PTransport(Transport):
     async def serve_stream(self, method: str, handler: StreamHandler, *, max_body: int, max_frames: int) -> None:
         async def on_stream(info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
             remote = info.peer_id.to_base58()
+            if not self.limit.acquire(remote):
+                log.warning(
+                    "dropped a %s stream from %s: %d calls of it open here", method, remote[-8:], self.limit.limit
+                )
+                writer.close()
+                return
             try:
                 raw = await read_frame(reader, MAX_HEADER)
                 self.counter.received += _LEN_BYTES + len(raw)
@@ -286,6 +316,7 @@ class P2PTransport(Transport):
             except (ConnectionError, asyncio.IncompleteReadError, OSError):
                 pass  # the caller went away; nothing to answer
             finally:
+                self.limit.release(remote)
                 writer.close()
 
         await self.p2p.add_binary_stream_handler(_PREFIX + method, on_stream)
