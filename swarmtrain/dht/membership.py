@@ -93,19 +93,18 @@ def read_record(subkey: Any, value: Any, auth: SwarmAuth = PUBLIC) -> PeerRecord
     return record
 
 
-def plausible(records: dict[str, PeerRecord], me: PeerRecord) -> dict[str, PeerRecord]:
-    """The records whose round is at most one ahead of what the verified peers hold (the lower median of their
-    rounds, mine included once I hold an agreed state): one peer claiming round 10**15 cannot drag a swarm
-    forward. With a single other peer a fresh joiner has nothing to compare with and takes its word."""
-    rounds = sorted(r.round for p, r in records.items() if p != me.peer_id)
-    if me.digest:
-        rounds = sorted([*rounds, me.round])
-    if not rounds:
-        return records
-    reference = rounds[(len(rounds) - 1) // 2]
-    kept = {p: r for p, r in records.items() if r.round <= reference + 1 or p == me.peer_id}
-    for peer in records.keys() - kept.keys():
-        log.warning("ignoring %s: it claims round %d, the swarm holds %d", peer[-8:], records[peer].round, reference)
+def plausible(records: dict[str, PeerRecord], me: str) -> dict[str, PeerRecord]:
+    """The records whose round is at most one ahead of what the other verified peers hold (the lower median of
+    their rounds, the record's own and mine left out): one peer claiming round 10**15 cannot drag a swarm forward.
+    A record with no other peer to compare with is taken at its word, so a node that is behind (a joiner, a
+    resumed node) can still follow a swarm of one; two peers that lie alike outvote one that does not."""
+    kept = dict(records)
+    for peer, record in records.items():
+        others = sorted(r.round for p, r in records.items() if p not in (peer, me))
+        if peer != me and others and record.round > others[(len(others) - 1) // 2] + 1:
+            log.warning("ignoring %s: it claims round %d, the other peers hold %d", peer[-8:], record.round,
+                        others[(len(others) - 1) // 2])  # fmt: skip
+            del kept[peer]
     return kept
 
 
@@ -148,7 +147,7 @@ class Membership:
                 record = self._parse(subkey, item.value)
                 if record is not None and record.peer_id != self.record.peer_id:
                     found_records[record.peer_id] = record
-            for record in plausible({**found_records, self.record.peer_id: self.record}, self.record).values():
+            for record in plausible(found_records, self.record.peer_id).values():
                 if record.peer_id == self.record.peer_id:
                     continue
                 if record.phase == "leaving":
