@@ -128,10 +128,10 @@ class Node:
         auth = load_auth(node.swarm_key, node.allow_peers)  # a bad key file stops the node before it starts
 
         p2p = await start_p2p(config, identity)
-        private_key = load_identity_key(identity)  # records are signed by the identity they describe
         dht = None
         trainer: InnerLoop | None = None
         try:
+            private_key = load_identity_key(identity)  # records are signed by the identity they describe
             dht = await start_dht(p2p, config, private_key)
             me = p2p.peer_id.to_base58()
             data_seed = node.data_seed if node.data_seed is not None else zlib.crc32(me.encode())
