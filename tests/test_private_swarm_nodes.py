@@ -19,7 +19,8 @@ from hivemind.p2p import P2P
 
 from swarmtrain.averaging import PROTOCOL_VERSION
 from swarmtrain.dht import Membership, PeerRecord, load_identity_key, record_validators
-from swarmtrain.net import P2PTransport, RemoteError
+from swarmtrain.net import P2PTransport, RemoteError, SwarmAuth
+from swarmtrain.net.auth import read_swarm_key
 
 from .swarm import Swarm
 
@@ -38,20 +39,24 @@ async def test_only_holders_of_the_swarm_key_take_part(swarm: Swarm, tmp_path: P
     swarm.start("a", 4, extra=members)  # waits for b (node.min_peers) while the hostile process tries its luck
     first = swarm.join_line("a")
 
-    # A hostile process that knows a's address and the run id, but not the key.
+    # A hostile process that knows a's address and the run id, but not the key: it calls with no key, then with
+    # another one, and publishes a record sealed with the other key.
     p2p = await P2P.create(
         initial_peers=[first], identity_path=str(tmp_path / "hostile.key"), host_maddrs=["/ip4/127.0.0.1/tcp/0"]
     )
     dht = None
     try:
-        hostile = P2PTransport(p2p)
+        wrong = SwarmAuth(read_swarm_key(other))
         a = first.rsplit("/p2p/", 1)[1]
         header = {"run": "swarmtrain", "v": PROTOCOL_VERSION}
         join = {**header, "round": 0, "weight": 1.0, "numel": 1, "codec": "fp16", "group": "g" * 8}
-        for method, request in [("join", join), ("state", {**header, "chunk": 1 << 16}), ("ping", header)]:
-            with pytest.raises(RemoteError) as refused:
-                await hostile.call(a, method, request, timeout=30)
-            assert refused.value.code == "swarm-key", (method, refused.value)
+        for hostile in (P2PTransport(p2p), P2PTransport(p2p, auth=wrong)):
+            for method, request in [("join", join), ("state", {**header, "chunk": 1 << 16}), ("ping", header)]:
+                with pytest.raises(RemoteError) as refused:
+                    await hostile.call(a, method, request, timeout=30)
+                assert refused.value.code == "swarm-key", (method, refused.value)
+            # Answers of a header each and nothing else: no state byte.
+            assert hostile.counter.received < 3 * 1024, hostile.counter.received
         signer = record_validators("swarmtrain", load_identity_key(tmp_path / "hostile.key"))
         dht = await DHTNode.create(p2p=p2p, initial_peers=[first], record_validator=CompositeValidator(signer))
         me = p2p.peer_id.to_base58()
@@ -59,7 +64,7 @@ async def test_only_holders_of_the_swarm_key_take_part(swarm: Swarm, tmp_path: P
             peer_id=me, proto=PROTOCOL_VERSION, run_id="swarmtrain", round=0, phase="training", tokens_per_s=1.0,
             batch_size=1,
         )  # fmt: skip
-        assert await Membership(dht, signer[0], record, ttl=60).publish()
+        assert await Membership(dht, signer[0], record, ttl=60, auth=wrong).publish()
         swarm.wait_until(
             lambda: f"ignoring the record of {me[-8:]}" in (swarm.root / "a" / "node.log").read_text(),
             60,
@@ -73,8 +78,6 @@ async def test_only_holders_of_the_swarm_key_take_part(swarm: Swarm, tmp_path: P
         if dht is not None:
             await dht.shutdown()
         await p2p.shutdown()
-    # The hostile peer got answers of a header each and nothing else: no state byte.
-    assert hostile.counter.received < 3 * 1024, hostile.counter.received
 
     swarm.start("b", 4, join=first, extra=members)
     swarm.start("wrong", 4, join=first, extra=[f"node.swarm_key={other}"])

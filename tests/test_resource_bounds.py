@@ -14,7 +14,7 @@ import torch
 from swarmtrain.averaging import PROTOCOL_VERSION, Averager
 from swarmtrain.compression import CodecError, get_codec
 from swarmtrain.net import MemoryNetwork, PeerUnreachable, RemoteError
-from swarmtrain.net.rpc import MAX_CALLS_PER_PEER
+from swarmtrain.net.rpc import DEFAULT_MAX_REPLY, MAX_CALLS_PER_PEER
 
 NUMEL = 10_000
 HEADER = {"run": "test", "v": PROTOCOL_VERSION}
@@ -33,14 +33,18 @@ async def test_a_reply_over_its_bound_is_refused() -> None:
     server, client = net.transport("server"), net.transport("client")
 
     async def big(sender: str, header: dict[str, Any], body: bytes) -> tuple[dict[str, Any], bytes]:
-        return {}, bytes(1 << 20)
+        return {}, bytes(header["size"])
 
     await server.serve("big", big, max_body=0)
-    assert len((await client.call("server", "big", {}, timeout=2))[1]) == 1 << 20
+    assert len((await client.call("server", "big", {"size": 5000}, timeout=2, max_reply=5000))[1]) == 5000
     before = client.counter.received
     with pytest.raises(PeerUnreachable, match="over 4096"):
-        await client.call("server", "big", {}, timeout=2, max_reply=4096)
+        await client.call("server", "big", {"size": 5000}, timeout=2, max_reply=4096)
     assert client.counter.received - before < 4096
+    # A call that names no bound gets a header's worth of answer, as every protocol answer but state is.
+    assert len((await client.call("server", "big", {"size": DEFAULT_MAX_REPLY}, timeout=2))[1]) == DEFAULT_MAX_REPLY
+    with pytest.raises(PeerUnreachable, match="over"):
+        await client.call("server", "big", {"size": DEFAULT_MAX_REPLY + 1}, timeout=2)
 
 
 async def test_a_donor_cannot_make_a_joiner_buffer_a_giant_manifest() -> None:

@@ -12,6 +12,7 @@ from typing import Any
 
 from swarmtrain.net.auth import PUBLIC, SwarmAuth
 from swarmtrain.net.rpc import (
+    DEFAULT_MAX_REPLY,
     MAX_HEADER,
     BadMessage,
     ByteCounter,
@@ -112,7 +113,8 @@ class MemoryTransport(Transport):
         raw = pack_header(response)
         if len(raw) > MAX_HEADER:
             raise BadMessage("response header over the limit")
-        if max_reply is not None and len(response_body) > max_reply:  # P2P reads only the length, then drops it
+        max_reply = DEFAULT_MAX_REPLY if max_reply is None else max_reply
+        if len(response_body) > max_reply:  # over P2P only its length is read before it is refused
             self.counter.received += len(raw) + 16
             raise PeerUnreachable(f"{method} to {peer}: bad answer: a body of {len(response_body)} B over {max_reply}")
         self.counter.received += len(raw) + len(response_body) + 16

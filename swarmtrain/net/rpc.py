@@ -31,6 +31,7 @@ log = logging.getLogger(__name__)
 
 MAX_HEADER = 1 << 16
 MAX_CALLS_PER_PEER = 32
+DEFAULT_MAX_REPLY = 1 << 20  # the reply body of a call that names no bound: the protocol's answers are headers
 _LEN_BYTES = 8
 _PREFIX = "swarmtrain/"
 
@@ -117,7 +118,8 @@ class Transport(ABC):
         max_reply: int | None = None,
     ) -> tuple[dict[str, Any], bytes]:
         """Send ``count`` frames after the header on one stream and return the answer, whose body may be at most
-        ``max_reply`` bytes (checked before it is read; None: the transport's limit)."""
+        ``max_reply`` bytes (checked before it is read; None: ``DEFAULT_MAX_REPLY``). A call whose answer carries
+        data names what that data can legitimately be (a state chunk: the chunk size)."""
 
     @abstractmethod
     async def serve_stream(self, method: str, handler: StreamHandler, *, max_body: int, max_frames: int) -> None:
@@ -203,7 +205,7 @@ async def run_handler(
 class P2PTransport(Transport):
     """``Transport`` over a running ``hivemind.p2p.P2P`` daemon."""
 
-    def __init__(self, p2p: P2P, max_response: int = 1 << 31, auth: SwarmAuth = PUBLIC) -> None:
+    def __init__(self, p2p: P2P, max_response: int = DEFAULT_MAX_REPLY, auth: SwarmAuth = PUBLIC) -> None:
         self.p2p = p2p
         self.peer_id = p2p.peer_id.to_base58()
         self.counter = ByteCounter()
@@ -223,7 +225,7 @@ class P2PTransport(Transport):
         max_reply: int | None = None,
     ) -> tuple[dict[str, Any], bytes]:
         """Send ``count`` frames after the header on one stream (each written as soon as the previous drained)."""
-        limit = self.max_response if max_reply is None else min(max_reply, self.max_response)
+        limit = self.max_response if max_reply is None else max_reply
         try:
             return await asyncio.wait_for(self._call(peer, method, header, frames, count, limit), timeout)
         except TimeoutError:
