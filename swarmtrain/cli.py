@@ -159,14 +159,26 @@ def status(
 
 @cli.command()
 @click.argument("path", type=click.Path(dir_okay=False))
-def keygen(path: str) -> None:
-    """Write a new private key to PATH; use it with --set node.identity=PATH to keep a fixed peer id."""
+@click.option("--swarm", is_flag=True, help="Write a new swarm key (node.swarm_key) instead of a peer identity.")
+def keygen(path: str, swarm: bool) -> None:
+    """Write a new private key to PATH; use it with --set node.identity=PATH to keep a fixed peer id.
+
+    With --swarm, write a new swarm key: a private swarm is the nodes started with --set node.swarm_key=PATH
+    (copy the file to each machine; anyone holding it can join).
+    """
     from pathlib import Path
 
     from hivemind.p2p import P2P
 
+    what = "a swarm key" if swarm else "an identity"
     if Path(path).exists():
-        raise click.ClickException(f"{path} already exists; refusing to overwrite an identity")
+        raise click.ClickException(f"{path} already exists; refusing to overwrite {what}")
+    if swarm:
+        from swarmtrain.net import write_swarm_key
+
+        write_swarm_key(path)
+        click.echo(f"wrote a new swarm key to {path}; start each node of the swarm with --set node.swarm_key={path}")
+        return
     P2P.generate_identity(path)
     click.echo(f"wrote a new identity to {path}")
 

@@ -141,6 +141,10 @@ class NodeConfig(_Section):
     """Multiaddrs of peers already in the swarm (with /p2p/<peer id>); empty starts a new swarm."""
     identity: str | None = None
     """Private key file that fixes this node's peer id; unset means <run_dir>/identity.key (created if missing)."""
+    swarm_key: str | None = None
+    """Swarm key file of a private swarm (`swarmtrain keygen --swarm PATH`); unset means a public swarm."""
+    allow_peers: list[str] = Field(default_factory=list, max_length=10_000)
+    """Peer ids allowed in a private swarm (empty: any holder of node.swarm_key, or anyone in a public swarm)."""
     inner_steps: int = Field(50, ge=1)
     """H: inner AdamW steps between two outer steps."""
     rounds: int = Field(0, ge=0)
@@ -162,6 +166,8 @@ class NodeConfig(_Section):
 
     @model_validator(mode="after")
     def _check_addrs(self) -> NodeConfig:
+        import base58
+        import multihash
         from multiaddr import Multiaddr
 
         for key in ("host", "announce", "join"):
@@ -178,6 +184,13 @@ class NodeConfig(_Section):
                         f"node.join entry {addr!r} lacks the peer id: copy the whole line the peer printed, "
                         "ending in /p2p/12D3KooW..."
                     )
+        for peer in self.allow_peers:
+            try:
+                multihash.decode(base58.b58decode(peer))
+            except Exception:
+                raise ValueError(
+                    f"node.allow_peers entry {peer!r} is not a peer id; copy the id a node prints ('peer Qm... is up')"
+                ) from None
         if self.record_ttl_s < 2 * self.heartbeat_s:
             raise ValueError("node.record_ttl_s must be at least twice node.heartbeat_s")
         return self

@@ -168,3 +168,33 @@ async def test_malformed_dht_records_are_ignored(pair) -> None:
     finally:
         await rogue.shutdown()
         await honest.shutdown()
+
+
+async def test_over_p2p_a_reply_over_its_bound_and_calls_over_a_peers_share_are_refused(pair) -> None:
+    """The reply bound is checked on the 8-byte length (the body is never read), and a peer's calls beyond its
+    share are dropped at once while another peer's are served."""
+    a, b = pair
+    client, server = P2PTransport(a), P2PTransport(b)
+    release = asyncio.Event()
+
+    async def big(sender: str, header: dict, body: bytes) -> tuple[dict, bytes]:
+        if header.get("wait"):
+            await release.wait()
+        return {}, bytes(8 << 20)
+
+    await server.serve("big", big, max_body=0)
+    with pytest.raises(PeerUnreachable, match="exceeds the limit of 4096"):
+        await client.call(server.peer_id, "big", {}, timeout=30, max_reply=4096)
+    assert client.counter.received < 4096
+    share = server.limit.limit
+    calls = [
+        asyncio.create_task(client.call(server.peer_id, "big", {"wait": True}, timeout=60, max_reply=0))
+        for _ in range(share + 4)
+    ]
+    for _ in range(300):  # bounded: the dropped streams fail within a few seconds
+        if sum(t.done() for t in calls) >= 4:
+            break
+        await asyncio.sleep(0.05)
+    assert sum(t.done() and isinstance(t.exception(), PeerUnreachable) for t in calls) == 4
+    release.set()
+    await asyncio.gather(*calls, return_exceptions=True)

@@ -112,7 +112,7 @@ def test_a_header_claiming_a_trillion_elements_is_rejected_without_allocating(sp
 def test_malformed_headers_and_bodies_name_the_problem(mutate: object, message: str) -> None:
     payload = valid_payload("int8:block=16")
     with pytest.raises(CodecError, match=message):
-        get_codec("int8").decode(mutate(payload), NUMEL)  # type: ignore[operator]
+        get_codec("int8:block=16").decode(mutate(payload), NUMEL)  # type: ignore[operator]
 
 
 def test_non_finite_values_and_foreign_codecs_are_rejected() -> None:

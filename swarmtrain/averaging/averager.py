@@ -33,6 +33,7 @@ PROTOCOL_VERSION = 3  # 2: sparse and low-rank codecs are all-gathered whole; 3:
 _ROUTE_WAIT = 5.0  # a member may hear of its group a moment after a peer that already sends
 _SMALL = 1 << 16
 _MAX_ROUTES = 64
+_ROUTES_PER_PEER = 4  # groups one peer may announce before we claim them: a stranger cannot crowd out real ones
 
 
 @dataclass
@@ -90,6 +91,7 @@ class Averager:
         self.codec_states = [CodecState() for _ in self.segments]  # error feedback and warm starts, per segment
         self._routes: dict[str, asyncio.Future[GroupExchange]] = {}
         self._finished: set[str] = set()  # routes of exchanges that are over, kept a while to refuse late messages
+        self._opened_by: dict[str, str] = {}  # unclaimed routes: the peer whose message opened each
         self._durations: list[float] = []
         # An update that missed its round (this node was too slow, or cut off): added to the next contribution
         # at 1 / (1 + rounds late) instead of being lost (see ``_with_stale``).
@@ -138,10 +140,18 @@ class Averager:
         if header.get("v") != PROTOCOL_VERSION:
             raise Rejected(f"protocol version {header.get('v')!r} is not {PROTOCOL_VERSION}")
 
-    def _route(self, group_id: Any) -> asyncio.Future[GroupExchange]:
+    def _route(self, group_id: Any, sender: str | None = None) -> asyncio.Future[GroupExchange]:
+        """The route of ``group_id``; a message from ``sender`` for a group we have not claimed yet opens one (at
+        most ``_ROUTES_PER_PEER`` open per sender)."""
         if not isinstance(group_id, str) or len(group_id) > 32:
             raise Rejected("missing or malformed group id")
         if group_id not in self._routes:
+            self._opened_by = {g: p for g, p in self._opened_by.items() if g in self._routes}
+            if sender is not None:
+                opened = sum(p == sender and not self._routes[g].done() for g, p in self._opened_by.items())
+                if opened >= _ROUTES_PER_PEER:
+                    raise Rejected(f"{opened} groups announced by {sender[-8:]} are still unclaimed here", code="busy")
+                self._opened_by[group_id] = sender
             if len(self._routes) >= _MAX_ROUTES:
                 # Evict the oldest route that no exchange of ours needs: one whose exchange is over, or one no
                 # group of ours ever claimed (a peer spraying ids). Only live exchanges are never evicted.
@@ -153,10 +163,10 @@ class Averager:
             self._routes[group_id] = asyncio.get_running_loop().create_future()
         return self._routes[group_id]
 
-    async def _allreduce_for(self, header: dict[str, Any]) -> GroupExchange:
+    async def _allreduce_for(self, header: dict[str, Any], sender: str) -> GroupExchange:
         self.check_header(header)
         group_id = header.get("group")
-        route = self._route(group_id)
+        route = self._route(group_id, sender)
         try:
             return await asyncio.wait_for(asyncio.shield(route), _ROUTE_WAIT)
         except TimeoutError:
@@ -166,7 +176,7 @@ class Averager:
 
     def _routed(self, action: Callable[[GroupExchange, str, dict[str, Any]], None]) -> Handler:
         async def handler(sender: str, header: dict[str, Any], body: bytes) -> tuple[dict[str, Any], bytes]:
-            action(await self._allreduce_for(header), sender, header)
+            action(await self._allreduce_for(header, sender), sender, header)
             return {}, b""
 
         return handler
@@ -175,7 +185,7 @@ class Averager:
         async def handler(
             sender: str, header: dict[str, Any], frames: AsyncIterator[bytes]
         ) -> tuple[dict[str, Any], bytes]:
-            allreduce = await self._allreduce_for(header)
+            allreduce = await self._allreduce_for(header, sender)
             await (allreduce.on_parts if method == "parts" else allreduce.on_results)(sender, header, frames)
             return {}, b""
 

@@ -206,7 +206,8 @@ async def probe(
     want: str | None = None,
 ) -> Offer:
     request = {**header, "chunk": chunk} if want is None else {**header, "chunk": chunk, "want": want}
-    answer, manifest = await transport.call(peer, "state", request, timeout=timeout)
+    largest = -(-bounds[1] // chunk) * _HASH  # the manifest of the largest state we can accept
+    answer, manifest = await transport.call(peer, "state", request, timeout=timeout, max_reply=largest)
     round_, digest, total = answer.get("round"), answer.get("digest"), answer.get("total")
     if not is_count(round_) or not isinstance(digest, str) or not 0 < len(digest) <= 64:
         raise StateSyncError(f"{peer[-8:]} offered round {round_!r}, digest {digest!r}")
@@ -243,7 +244,7 @@ async def fetch_chunks(
 
     async def get(peer: str, index: int, timeout: float) -> int:
         request = {**header, "chunk": chunk, "digest": first.digest, "index": index}
-        answer, body = await transport.call(peer, "state", request, timeout=timeout)
+        answer, body = await transport.call(peer, "state", request, timeout=timeout, max_reply=chunk)
         start = index * chunk
         if answer.get("digest") != first.digest or len(body) != min(chunk, total - start):
             raise BadChunk(f"chunk {index} from {peer[-8:]} is not the one asked for")

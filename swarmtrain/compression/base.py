@@ -72,6 +72,7 @@ class BaseCodec(ABC):
     name: str = ""
     codec_id: int = -1
     sparse: bool = False
+    data_params: tuple[str, ...] = ()  # wire parameters that depend on the data, not on the agreed options
 
     @property
     @abstractmethod
@@ -119,14 +120,23 @@ class BaseCodec(ABC):
             state.step += 1
         return payload
 
-    def decode(self, payload: bytes | bytearray | memoryview, numel: int) -> torch.Tensor:
-        """The float32 1-D tensor of length ``numel`` in ``payload``; ``CodecError`` if it is malformed."""
+    def decode(self, payload: bytes | bytearray | memoryview, numel: int, *, agreed: bool = True) -> torch.Tensor:
+        """The float32 1-D tensor of length ``numel`` in ``payload``; ``CodecError`` if it is malformed or, with
+        ``agreed``, encoded with other parameters than this codec's (the round's): a ``topk:frac=1.0`` payload
+        where ``frac=0.01`` was agreed is refused before decoding allocates for it."""
         header = peek_header(payload)
         if header.codec_id != self.codec_id:
             raise CodecError(f"payload was encoded with {header.codec}, but this round expects {self.name}")
         if header.numel != numel:
             raise CodecError(f"{self.name} payload claims {header.numel} elements; the round's schema has {numel}")
         check_body(header, self._body_size(header.params, numel))
+        if agreed:  # the parameters are sane (checked above, in integers); now they must be the round's
+            for field, value in self._params(numel).items():
+                if field not in self.data_params and header.params[field] != value:
+                    raise CodecError(
+                        f"{self.name} payload has {field}={header.params[field]}, but the round agreed on "
+                        f"{self.spec} ({field}={value} for {numel} elements)"
+                    )
         body = memoryview(payload).cast("B")[header.header_size :]
         out = self._decode(header.params, body, numel)
         if not all_finite(out):

@@ -47,6 +47,7 @@ class PowerSGDCodec(BaseCodec):
     name = "powersgd"
     codec_id = 7
     sparse = True
+    data_params = ("scale",)
     rank: int = 4
     """Rank of the approximation (capped at min(rows, cols))."""
     shape: tuple[int, int] | None = None

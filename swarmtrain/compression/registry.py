@@ -56,6 +56,7 @@ def get_codec(spec: str) -> BaseCodec:
 
 
 def decode_payload(payload: bytes | bytearray | memoryview, numel: int) -> torch.Tensor:
-    """Decode a payload with whichever codec its header names (for receivers that accept several codecs)."""
+    """Decode a payload with whichever codec and parameters its header names (for tools and tests; a round's
+    receiver decodes with the round's codec, which refuses other parameters)."""
     header = peek_header(payload)
-    return get_codec(header.codec).decode(payload, numel)
+    return get_codec(header.codec).decode(payload, numel, agreed=False)

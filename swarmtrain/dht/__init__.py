@@ -1,5 +1,6 @@
 """Swarm membership on hivemind's DHT: signed, expiring peer records and a live view of the swarm."""
 
-from swarmtrain.dht.membership import Membership, PeerRecord, record_validators
+from swarmtrain.dht.identity import IdentityError, load_identity_key
+from swarmtrain.dht.membership import Membership, PeerRecord, read_record, record_validators
 
-__all__ = ["Membership", "PeerRecord", "record_validators"]
+__all__ = ["IdentityError", "Membership", "PeerRecord", "load_identity_key", "read_record", "record_validators"]

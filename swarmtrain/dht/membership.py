@@ -1,10 +1,12 @@
 """Swarm membership on hivemind's Kademlia DHT: signed, expiring peer records refreshed by heartbeats.
 
-Each node stores one record under the key ``<run_id>_peers`` with a subkey holding its peer id and its RSA
-public key; hivemind's ``RSASignatureValidator`` lets only the owner write it, and ``SchemaValidator`` makes
-other peers refuse records of the wrong shape. Records expire ``ttl`` seconds after their last heartbeat, so
-a crashed node drops out of every view without announcing anything. Reading parses every record again with
-our own schema and drops (with a logged reason) anything malformed or from another run or protocol version.
+Each node stores one record under the key ``<run_id>_peers`` with a subkey holding its peer id and the RSA
+public key of its libp2p identity; hivemind's ``RSASignatureValidator`` lets only the owner write it, and
+``SchemaValidator`` makes other peers refuse records of the wrong shape. Records expire ``ttl`` seconds after
+their last heartbeat, so a crashed node drops out of every view without announcing anything. Reading parses
+every record again with our own schema and drops (with a logged reason) anything malformed, from another run or
+protocol version, signed by a key that is not the claimed peer id's (``identity``), without the private swarm's
+MAC (``swarmtrain.net.auth``), or claiming a round more than one ahead of what the other peers hold.
 """
 
 from __future__ import annotations
@@ -22,7 +24,12 @@ from hivemind.utils.crypto import RSAPrivateKey
 from hivemind.utils.timed_storage import get_dht_time
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from swarmtrain.dht.identity import owner_of, record_subkey
+from swarmtrain.net.auth import PUBLIC, SwarmAuth
+
 log = logging.getLogger(__name__)
+
+MAX_INNER_S = 24 * 3600.0  # a claimed inner phase longer than a day is a lie (it would stretch every gather)
 
 
 class PeerRecord(BaseModel):
@@ -36,10 +43,10 @@ class PeerRecord(BaseModel):
     run_id: str = Field(max_length=128)
     round: int = Field(ge=0)
     phase: str = Field(max_length=16)  # training | averaging | syncing | bootstrap | done | leaving
-    tokens_per_s: float = Field(ge=0.0)
+    tokens_per_s: float = Field(ge=0.0, allow_inf_nan=False)
     batch_size: int = Field(ge=0)
     digest: str = Field("", max_length=64)
-    inner_s: float = Field(0.0, ge=0.0)  # seconds its last inner phase took (0: none yet)
+    inner_s: float = Field(0.0, ge=0.0, le=MAX_INNER_S, allow_inf_nan=False)  # its last inner phase, s (0: none)
 
 
 class _RecordV1(pv1.BaseModel):
@@ -53,6 +60,7 @@ class _RecordV1(pv1.BaseModel):
     batch_size: pv1.StrictInt
     digest: pv1.StrictStr
     inner_s: pv1.StrictFloat
+    mac: pv1.StrictStr  # the private swarm's MAC over subkey and record ("" in a public swarm)
 
 
 class _PeersSchemaV1(pv1.BaseModel):
@@ -64,15 +72,54 @@ def record_validators(run_id: str, private_key: RSAPrivateKey) -> tuple[RSASigna
     return RSASignatureValidator(private_key), SchemaValidator(_PeersSchemaV1, prefix=run_id)
 
 
+def read_record(subkey: Any, value: Any, auth: SwarmAuth = PUBLIC) -> PeerRecord | None:
+    """A record as found in the DHT, or None (with the reason logged) unless it is well formed, signed by the key
+    of the peer id it names and, in a private swarm, sealed with the swarm key."""
+    if not isinstance(value, dict) or not isinstance(subkey, bytes):
+        log.warning("ignoring a peer record that is not a map under a bytes subkey")
+        return None
+    content = {k: v for k, v in value.items() if k != "mac"}
+    try:
+        record = PeerRecord.model_validate(content)
+    except ValidationError as exc:
+        log.warning("ignoring a malformed peer record under %r: %s", subkey[:16], exc.errors()[0]["msg"])
+        return None
+    if not owner_of(subkey, record.peer_id):
+        log.warning("ignoring a peer record for %s signed with another identity's key", record.peer_id[-8:])
+        return None
+    if not auth.admits_record(subkey, record.peer_id, content, value.get("mac")):
+        log.warning("ignoring the record of %s: not sealed with this private swarm's key", record.peer_id[-8:])
+        return None
+    return record
+
+
+def plausible(records: dict[str, PeerRecord], me: str) -> dict[str, PeerRecord]:
+    """The records whose round is at most one ahead of what the other verified peers hold (the lower median of
+    their rounds, the record's own and mine left out): one peer claiming round 10**15 cannot drag a swarm forward.
+    A record with no other peer to compare with is taken at its word, so a node that is behind (a joiner, a
+    resumed node) can still follow a swarm of one; two peers that lie alike outvote one that does not."""
+    kept = dict(records)
+    for peer, record in records.items():
+        others = sorted(r.round for p, r in records.items() if p not in (peer, me))
+        if peer != me and others and record.round > others[(len(others) - 1) // 2] + 1:
+            log.warning("ignoring %s: it claims round %d, the other peers hold %d", peer[-8:], record.round,
+                        others[(len(others) - 1) // 2])  # fmt: skip
+            del kept[peer]
+    return kept
+
+
 class Membership:
     """Publishes this node's record and keeps a live view of the swarm."""
 
-    def __init__(self, dht: DHTNode, signer: RSASignatureValidator, record: PeerRecord, ttl: float) -> None:
+    def __init__(
+        self, dht: DHTNode, signer: RSASignatureValidator, record: PeerRecord, ttl: float, auth: SwarmAuth = PUBLIC
+    ) -> None:
         self.dht = dht
         self.record = record
         self.ttl = ttl
+        self.auth = auth
         self.key = f"{record.run_id}_peers"
-        self.subkey = record.peer_id.encode() + signer.local_public_key
+        self.subkey = record_subkey(record.peer_id, signer)
         self.view: dict[str, PeerRecord] = {record.peer_id: record}
         self.seen_at: dict[str, float] = {}  # monotonic time each peer's record was last found
         self.left: set[str] = set()  # peers that announced a graceful leave
@@ -80,9 +127,12 @@ class Membership:
     def update(self, **changes: Any) -> None:
         self.record = self.record.model_copy(update=changes)
 
-    async def publish(self) -> bool:
+    def _value(self) -> dict[str, Any]:
         value = self.record.model_dump()
-        return await self.dht.store(self.key, value, get_dht_time() + self.ttl, subkey=self.subkey)
+        return {**value, "mac": self.auth.seal(self.subkey, value)}
+
+    async def publish(self) -> bool:
+        return await self.dht.store(self.key, self._value(), get_dht_time() + self.ttl, subkey=self.subkey)
 
     async def refresh(self) -> dict[str, PeerRecord]:
         """Look the swarm up again. A peer missing from one lookup stays in the view until ``ttl`` seconds after
@@ -91,10 +141,14 @@ class Membership:
         found = await self.dht.get(self.key, latest=True)
         now = time.monotonic()
         view: dict[str, PeerRecord] = {self.record.peer_id: self.record}
+        found_records: dict[str, PeerRecord] = {}
         if found is not None and isinstance(found.value, dict):
             for subkey, item in found.value.items():
                 record = self._parse(subkey, item.value)
-                if record is None or record.peer_id == self.record.peer_id:
+                if record is not None and record.peer_id != self.record.peer_id:
+                    found_records[record.peer_id] = record
+            for record in plausible(found_records, self.record.peer_id).values():
+                if record.peer_id == self.record.peer_id:
                     continue
                 if record.phase == "leaving":
                     self.seen_at.pop(record.peer_id, None)
@@ -111,13 +165,8 @@ class Membership:
         return view
 
     def _parse(self, subkey: Any, value: Any) -> PeerRecord | None:
-        try:
-            record = PeerRecord.model_validate(value)
-        except ValidationError as exc:
-            log.warning("ignoring a malformed peer record under %r: %s", subkey[:16], exc.errors()[0]["msg"])
-            return None
-        if not isinstance(subkey, bytes) or not subkey.startswith(record.peer_id.encode()):
-            log.warning("ignoring peer record of %s stored under another peer's subkey", record.peer_id[-8:])
+        record = read_record(subkey, value, self.auth)
+        if record is None:
             return None
         if record.run_id != self.record.run_id or record.proto != self.record.proto:
             log.debug("ignoring %s: run %r v%d", record.peer_id[-8:], record.run_id, record.proto)
@@ -138,4 +187,4 @@ class Membership:
     async def leave(self) -> None:
         """Announce a graceful leave: a short-lived record in phase 'leaving' replaces ours."""
         self.update(phase="leaving")
-        await self.dht.store(self.key, self.record.model_dump(), get_dht_time() + 5.0, subkey=self.subkey)
+        await self.dht.store(self.key, self._value(), get_dht_time() + 5.0, subkey=self.subkey)

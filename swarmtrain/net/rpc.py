@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from abc import ABC, abstractmethod
+from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -24,10 +25,13 @@ import msgpack
 from hivemind.p2p import P2P, PeerID
 
 from swarmtrain.errors import SwarmtrainError
+from swarmtrain.net.auth import PUBLIC, Refused, SwarmAuth
 
 log = logging.getLogger(__name__)
 
 MAX_HEADER = 1 << 16
+MAX_CALLS_PER_PEER = 32
+DEFAULT_MAX_REPLY = 1 << 20  # the reply body of a call that names no bound: the protocol's answers are headers
 _LEN_BYTES = 8
 _PREFIX = "swarmtrain/"
 
@@ -73,11 +77,33 @@ class ByteCounter:
     received: int = 0
 
 
+class PeerLimit:
+    """Calls each remote peer has open at this node: one peer cannot hold streams (and their buffers) without
+    bound. A round needs a handful per peer (parts, results, report, digest, ping, a few state chunks)."""
+
+    def __init__(self, limit: int = MAX_CALLS_PER_PEER) -> None:
+        self.limit = limit
+        self.open: Counter[str] = Counter()
+
+    def acquire(self, peer: str) -> bool:
+        if self.open[peer] >= self.limit:
+            return False
+        self.open[peer] += 1
+        return True
+
+    def release(self, peer: str) -> None:
+        self.open[peer] -= 1
+        if self.open[peer] <= 0:
+            del self.open[peer]
+
+
 class Transport(ABC):
     """What the protocol code sees: streamed calls and handlers; the one-frame forms are built on them."""
 
     peer_id: str
     counter: ByteCounter
+    auth: SwarmAuth = PUBLIC  # who may call this node and how its calls prove the swarm key
+    limit: PeerLimit  # calls each peer may have open at this node
 
     @abstractmethod
     async def call_stream(
@@ -89,17 +115,28 @@ class Transport(ABC):
         *,
         count: int,
         timeout: float,
+        max_reply: int | None = None,
     ) -> tuple[dict[str, Any], bytes]:
-        """Send ``count`` frames after the header on one stream and return the answer."""
+        """Send ``count`` frames after the header on one stream and return the answer, whose body may be at most
+        ``max_reply`` bytes (checked before it is read; None: ``DEFAULT_MAX_REPLY``). A call whose answer carries
+        data names what that data can legitimately be (a state chunk: the chunk size)."""
 
     @abstractmethod
     async def serve_stream(self, method: str, handler: StreamHandler, *, max_body: int, max_frames: int) -> None:
         """Answer calls to ``method``; each call's frames reach ``handler`` as they arrive."""
 
     async def call(
-        self, peer: str, method: str, header: dict[str, Any], body: bytes = b"", *, timeout: float
+        self,
+        peer: str,
+        method: str,
+        header: dict[str, Any],
+        body: bytes = b"",
+        *,
+        timeout: float,
+        max_reply: int | None = None,
     ) -> tuple[dict[str, Any], bytes]:
-        return await self.call_stream(peer, method, header, single(body), count=1, timeout=timeout)
+        bound = {} if max_reply is None else {"max_reply": max_reply}  # wrappers of call_stream need not know it
+        return await self.call_stream(peer, method, header, single(body), count=1, timeout=timeout, **bound)
 
     async def serve(self, method: str, handler: Handler, *, max_body: int) -> None:
         await self.serve_stream(method, unary(handler), max_body=max_body, max_frames=1)
@@ -135,6 +172,16 @@ def write_frame(writer: asyncio.StreamWriter, data: bytes | memoryview) -> int:
     return len(data) + _LEN_BYTES
 
 
+def admit(transport: Transport, method: str, remote: str, header: dict[str, Any]) -> dict[str, Any] | None:
+    """None if ``remote`` may make this call (the swarm key and allowlist), else the error answer that says why."""
+    try:
+        transport.auth.check(remote, transport.peer_id, method, header)
+    except Refused as exc:
+        log.warning("refused %s from %s: %s", method, remote[-8:], exc)
+        return {"error": str(exc), "code": exc.code}
+    return None
+
+
 async def run_handler(
     handler: Callable[[str, dict[str, Any], Any], Awaitable[tuple[dict[str, Any], bytes]]],
     method: str,
@@ -158,11 +205,13 @@ async def run_handler(
 class P2PTransport(Transport):
     """``Transport`` over a running ``hivemind.p2p.P2P`` daemon."""
 
-    def __init__(self, p2p: P2P, max_response: int = 1 << 31) -> None:
+    def __init__(self, p2p: P2P, max_response: int = DEFAULT_MAX_REPLY, auth: SwarmAuth = PUBLIC) -> None:
         self.p2p = p2p
         self.peer_id = p2p.peer_id.to_base58()
         self.counter = ByteCounter()
         self.max_response = max_response
+        self.auth = auth
+        self.limit = PeerLimit()
 
     async def call_stream(
         self,
@@ -173,17 +222,19 @@ class P2PTransport(Transport):
         *,
         count: int,
         timeout: float,
+        max_reply: int | None = None,
     ) -> tuple[dict[str, Any], bytes]:
         """Send ``count`` frames after the header on one stream (each written as soon as the previous drained)."""
+        limit = self.max_response if max_reply is None else max_reply
         try:
-            return await asyncio.wait_for(self._call(peer, method, header, frames, count), timeout)
+            return await asyncio.wait_for(self._call(peer, method, header, frames, count, limit), timeout)
         except TimeoutError:
             raise RpcTimeout(f"{method} to {peer[-8:]} timed out after {timeout:.1f} s") from None
 
     async def _call(
-        self, peer: str, method: str, header: dict[str, Any], frames: AsyncIterator[bytes], count: int
+        self, peer: str, method: str, header: dict[str, Any], frames: AsyncIterator[bytes], count: int, limit: int
     ) -> tuple[dict[str, Any], bytes]:
-        packed = pack_header({**header, "frames": count})
+        packed = pack_header({**header, "frames": count, **self.auth.stamp(self.peer_id, peer, method)})
         writer = None
         try:
             _, reader, writer = await self.p2p.call_binary_stream_handler(PeerID.from_base58(peer), _PREFIX + method)
@@ -197,7 +248,7 @@ class P2PTransport(Transport):
                 raise BadMessage(f"{method}: {sent} frames produced, {count} announced")
             await writer.drain()
             raw = await read_frame(reader, MAX_HEADER)
-            response_body = await read_frame(reader, self.max_response)
+            response_body = await read_frame(reader, limit)  # refused after its 8-byte length if over the bound
             self.counter.received += 2 * _LEN_BYTES + len(raw) + len(response_body)
             response = unpack_header(raw)
         except (ConnectionError, asyncio.IncompleteReadError, OSError) as exc:
@@ -218,6 +269,12 @@ class P2PTransport(Transport):
     async def serve_stream(self, method: str, handler: StreamHandler, *, max_body: int, max_frames: int) -> None:
         async def on_stream(info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
             remote = info.peer_id.to_base58()
+            if not self.limit.acquire(remote):
+                log.warning(
+                    "dropped a %s stream from %s: %d calls of it open here", method, remote[-8:], self.limit.limit
+                )
+                writer.close()
+                return
             try:
                 raw = await read_frame(reader, MAX_HEADER)
                 self.counter.received += _LEN_BYTES + len(raw)
@@ -225,6 +282,15 @@ class P2PTransport(Transport):
                 count = header.pop("frames", None)
                 if not isinstance(count, int) or isinstance(count, bool) or not 0 <= count <= max_frames:
                     raise BadMessage(f"{method}: frame count {count!r} is not within 0..{max_frames}")
+                refusal = admit(self, method, remote, header)
+                if refusal is not None:
+                    if count > 1:  # a stream from outside the swarm: no answer is worth reading its parts
+                        return
+                    if count == 1:
+                        await read_frame(reader, max_body)
+                    self.counter.sent += write_frame(writer, pack_header(refusal)) + write_frame(writer, b"")
+                    await writer.drain()
+                    return
                 consumed, oversized = 0, None
 
                 async def frames() -> AsyncIterator[bytes]:
@@ -252,6 +318,7 @@ class P2PTransport(Transport):
             except (ConnectionError, asyncio.IncompleteReadError, OSError):
                 pass  # the caller went away; nothing to answer
             finally:
+                self.limit.release(remote)
                 writer.close()
 
         await self.p2p.add_binary_stream_handler(_PREFIX + method, on_stream)

@@ -21,7 +21,8 @@ from rich.console import Console
 from rich.table import Table
 
 from swarmtrain.config import Config
-from swarmtrain.dht import PeerRecord
+from swarmtrain.dht import PeerRecord, load_identity_key, read_record
+from swarmtrain.net import P2PTransport, load_auth, serve_hello
 from swarmtrain.node.node import Node, NodeError, join_line, start_dht, start_p2p
 from swarmtrain.signals import STOP_SIGNALS, handled_by_loop
 
@@ -66,9 +67,11 @@ def run_bootstrap(config: Config) -> None:
 
     async def main() -> None:
         identity = Path(config.node.identity) if config.node.identity else Path(config.run_dir) / "identity.key"
+        auth = load_auth(config.node.swarm_key, config.node.allow_peers)
         p2p = await start_p2p(config, identity)
         try:
-            dht = await start_dht(p2p, config, RSAPrivateKey())
+            await serve_hello(P2PTransport(p2p, auth=auth))  # joiners check their swarm key with this peer
+            dht = await start_dht(p2p, config, load_identity_key(identity))
             maddrs = await p2p.get_visible_maddrs()
             print(f"bootstrap peer {p2p.peer_id} is up; nodes join with: swarmtrain node {join_line(maddrs)}")
             try:
@@ -93,11 +96,13 @@ async def fetch_records(config: Config) -> list[PeerRecord]:
             await dht.shutdown()
     finally:
         await p2p.shutdown()
+    auth = load_auth(config.node.swarm_key, config.node.allow_peers)
     records = []
     if found is not None and isinstance(found.value, dict):
-        for item in found.value.values():
-            with contextlib.suppress(ValueError):
-                records.append(PeerRecord.model_validate(item.value))
+        for subkey, item in found.value.items():
+            record = read_record(subkey, item.value, auth)
+            if record is not None:
+                records.append(record)
     return sorted(records, key=lambda r: r.peer_id)
 
 

@@ -29,9 +29,9 @@ from swarmtrain.averaging import PROTOCOL_VERSION, Averager, RoundOutcome, leade
 from swarmtrain.compression import get_codec
 from swarmtrain.config import Config, write_resolved
 from swarmtrain.data import load_corpus
-from swarmtrain.dht import Membership, PeerRecord, record_validators
+from swarmtrain.dht import Membership, PeerRecord, load_identity_key, record_validators
 from swarmtrain.errors import CheckpointError, SwarmtrainError
-from swarmtrain.net import P2PTransport
+from swarmtrain.net import P2PTransport, load_auth, serve_hello, verify_swarm
 from swarmtrain.node.inner import InnerLoop, build_inner_loop
 from swarmtrain.node.resume import open_run_dir, outer_state
 from swarmtrain.train import Checkpoint, configure_threads, save_checkpoint
@@ -83,6 +83,11 @@ async def start_dht(p2p: P2P, config: Config, private_key: RSAPrivateKey, client
         ) from None
 
 
+def join_peers(config: Config) -> list[str]:
+    """The peer ids in node.join (the peers this node checks the swarm key with)."""
+    return list(dict.fromkeys(addr.rsplit("/p2p/", 1)[1].split("/")[0] for addr in config.node.join))
+
+
 def join_line(maddrs: list[Any]) -> str:
     addrs = [str(m) for m in maddrs]
     public = [a for a in addrs if "/ip4/127." not in a] or addrs
@@ -120,19 +125,22 @@ class Node:
         codec_up, codec_down = get_codec(avg.codec), get_codec(avg.codec_down or avg.codec)
         identity = Path(node.identity) if node.identity else self.run_dir / "identity.key"
         configure_threads(config.train.threads)
+        auth = load_auth(node.swarm_key, node.allow_peers)  # a bad key file stops the node before it starts
 
         p2p = await start_p2p(config, identity)
-        private_key = RSAPrivateKey()
         dht = None
         trainer: InnerLoop | None = None
         try:
+            private_key = load_identity_key(identity)  # records are signed by the identity they describe
             dht = await start_dht(p2p, config, private_key)
             me = p2p.peer_id.to_base58()
             data_seed = node.data_seed if node.data_seed is not None else zlib.crc32(me.encode())
             trainer = build_inner_loop(config, corpus, data_seed)  # standard or localtrain (train.trainer)
             theta = trainer.vector()
             self.numel = theta.numel()
-            transport = P2PTransport(p2p)
+            transport = P2PTransport(p2p, auth=auth)
+            await serve_hello(transport)
+            await verify_swarm(transport, join_peers(config))  # a key mismatch is an error, not a silent solo run
             averager = Averager(
                 transport, theta, run_id=node.run_id, group_size=avg.group_size, outer_lr=avg.outer_lr,
                 outer_momentum=avg.outer_momentum, codec_up=codec_up, codec_down=codec_down,
@@ -151,7 +159,7 @@ class Node:
                 digest=averager.outer.digest() if checkpoint is not None else "",
             )  # fmt: skip
             signer, _ = record_validators(node.run_id, private_key)
-            membership = Membership(dht, signer, record, ttl=node.record_ttl_s)
+            membership = Membership(dht, signer, record, ttl=node.record_ttl_s, auth=auth)
             write_resolved(config, self.run_dir)
             (self.run_dir / "join.txt").write_text("\n".join(str(m) for m in maddrs) + "\n")
             print(f"peer {me} is up; to join this swarm run: swarmtrain node {join_line(maddrs)}", flush=True)
