@@ -93,17 +93,21 @@ def read_record(subkey: Any, value: Any, auth: SwarmAuth = PUBLIC) -> PeerRecord
     return record
 
 
-def plausible(records: dict[str, PeerRecord], me: str) -> dict[str, PeerRecord]:
-    """The records whose round is at most one ahead of what the other verified peers hold (the lower median of
-    their rounds, the record's own and mine left out): one peer claiming round 10**15 cannot drag a swarm forward.
-    A record with no other peer to compare with is taken at its word, so a node that is behind (a joiner, a
-    resumed node) can still follow a swarm of one; two peers that lie alike outvote one that does not."""
+def plausible(records: dict[str, PeerRecord], my_round: int) -> dict[str, PeerRecord]:
+    """The records of other peers whose round is at most one ahead of what this node and the other verified peers
+    hold (the higher of ``my_round`` and the lower median of the others', the record's own left out): one peer
+    claiming round 10**15 cannot drag a swarm forward, and a peer lagging behind cannot make the honest ones next
+    to me look like liars. A record with no other peer to compare with is taken at its word, so a node that is
+    behind (a joiner, a resumed node) can still follow a swarm of one; two peers that lie alike outvote one that
+    does not."""
     kept = dict(records)
     for peer, record in records.items():
-        others = sorted(r.round for p, r in records.items() if p not in (peer, me))
-        if peer != me and others and record.round > others[(len(others) - 1) // 2] + 1:
-            log.warning("ignoring %s: it claims round %d, the other peers hold %d", peer[-8:], record.round,
-                        others[(len(others) - 1) // 2])  # fmt: skip
+        others = sorted(r.round for p, r in records.items() if p != peer)
+        if not others:
+            continue
+        held = max(my_round, others[(len(others) - 1) // 2])
+        if record.round > held + 1:
+            log.warning("ignoring %s: it claims round %d, the swarm holds %d", peer[-8:], record.round, held)
             del kept[peer]
     return kept
 
@@ -147,7 +151,7 @@ class Membership:
                 record = self._parse(subkey, item.value)
                 if record is not None and record.peer_id != self.record.peer_id:
                     found_records[record.peer_id] = record
-            for record in plausible(found_records, self.record.peer_id).values():
+            for record in plausible(found_records, self.record.round).values():
                 if record.peer_id == self.record.peer_id:
                     continue
                 if record.phase == "leaving":
