@@ -8,11 +8,13 @@ Phases, all bounded by the round's deadline:
    codec, non-finite values) is left out of that shard.
 2. all-gather: each reducer encodes its averaged shard once and sends the same bytes to every member, so all
    members that receive shard j hold the identical shard.
-3. report: members tell each other which shards they hold (a hash of each). A shard is applied only if every
-   report in hand holds it with the same hash; otherwise every member applies the same fallback for it
-   (a zero update: theta_g keeps its value there). A dead reducer's shard is thus dropped by all survivors.
-4. digest (after the outer step, driven by the averager): members exchange a digest of their new state; a
-   member in the minority marks itself diverged and resyncs.
+3. report: members tell each other which shards they hold (a hash of each), then relay every report they hold
+   to every member (``_relayed``), so a report that reached only some survivors before its sender died reaches
+   them all. A shard is applied only if every report in that merged view holds it with the same hash; otherwise
+   every member applies the same fallback for it (a zero update: theta_g keeps its value there). A dead
+   reducer's shard, or one whose reducer had no contribution to average, is thus dropped by all survivors.
+4. digest (after the outer step, driven by the averager): members exchange and relay a digest of their new
+   state the same way; a member in the minority of that merged view marks itself diverged and resyncs.
 
 Dead peers are noticed by stream errors and by pings while waiting on them, not only by the deadline.
 """
@@ -162,15 +164,22 @@ class GroupExchange(ABC):
         span = max(deadline - loop_now, 0.0)
         self.scatter_deadline = loop_now + 0.5 * span
         self.transfer_deadline = loop_now + 0.75 * span
-        self.report_deadline = loop_now + 0.88 * span
+        self.report_deadline = loop_now + 0.82 * span
+        self.relay_deadline = loop_now + 0.88 * span
         self.deadline = deadline
         self.liveness = Liveness(transport, self.header)
         self.closed = False  # after the transfer, late payloads must not be stored
         self.bad_senders: set[str] = set()
+        # Reports and digests: what each member sent me itself, and what each relayed of all it held.
         self.reports: dict[str, list[str | None]] = {}
         self.reports_in = {p: asyncio.Event() for p in group.members}
+        self.report_relays: dict[str, dict[str, list[str | None]]] = {}
+        self.report_relays_in = {p: asyncio.Event() for p in group.members}
+        self.view: dict[str, list[str | None]] = {}  # the merged reports the decision is made from
         self.digests: dict[str, str] = {}
         self.digests_in = {p: asyncio.Event() for p in group.members}
+        self.digest_relays: dict[str, dict[str, str]] = {}
+        self.digest_relays_in = {p: asyncio.Event() for p in group.members}
         self.on_part_sent = on_part_sent
         self.parts_sent = 0
         self._background: set[asyncio.Future[None]] = set()  # sends to members counted as gone
@@ -195,31 +204,83 @@ class GroupExchange(ABC):
     async def run(self) -> AllReduceResult:
         """Move the payloads, agree on what is applied, and return the average."""
 
-    def on_report(self, sender: str, header: dict[str, Any]) -> None:
-        self._check_member(sender)
-        hashes = header.get("hashes")
+    def _check_report(self, hashes: Any) -> list[str | None]:
         if not isinstance(hashes, list) or len(hashes) != self.group.size:
             raise Rejected("report must list one hash per member")
-        if not all(h is None or isinstance(h, str) for h in hashes):
-            raise Rejected("report hashes must be strings or nil")
-        self.reports[sender] = hashes
+        if not all(h is None or (isinstance(h, str) and len(h) <= 64) for h in hashes):
+            raise Rejected("report hashes must be short strings or nil")
+        return hashes
+
+    @staticmethod
+    def _check_digest(digest: Any) -> str:
+        if not isinstance(digest, str) or len(digest) > 64:
+            raise Rejected("digest must be a short string")
+        return digest
+
+    def _check_relay(self, relay: Any, check: Callable[[Any], Any]) -> dict[str, Any]:
+        if not isinstance(relay, dict) or not all(isinstance(p, str) and p in self.group.members for p in relay):
+            raise Rejected("a relay maps members of this group to what each sent")
+        return {peer: check(value) for peer, value in relay.items()}
+
+    def on_report(self, sender: str, header: dict[str, Any]) -> None:
+        self._check_member(sender)
+        if "relay" in header:
+            self.report_relays[sender] = self._check_relay(header["relay"], self._check_report)
+            self.report_relays_in[sender].set()
+            return
+        self.reports[sender] = self._check_report(header.get("hashes"))
         self.reports_in[sender].set()
 
     def on_digest(self, sender: str, header: dict[str, Any]) -> None:
         self._check_member(sender)
-        digest = header.get("digest")
-        if not isinstance(digest, str) or len(digest) > 64:
-            raise Rejected("digest must be a short string")
-        self.digests[sender] = digest
+        if "relay" in header:
+            self.digest_relays[sender] = self._check_relay(header["relay"], self._check_digest)
+            self.digest_relays_in[sender].set()
+            return
+        self.digests[sender] = self._check_digest(header.get("digest"))
         self.digests_in[sender].set()
 
+    async def _relayed(
+        self,
+        method: str,
+        key: str,
+        mine: Any,
+        held: dict[str, Any],
+        held_in: dict[str, asyncio.Event],
+        relays: dict[str, dict[str, Any]],
+        relays_in: dict[str, asyncio.Event],
+        deadlines: tuple[float, float],
+    ) -> dict[str, Any]:
+        """Two steps of exchange; returns the merged view every decision of this phase is made from.
+
+        Step 1: send ``mine`` to every member and wait for theirs. Step 2: relay everything I hold (mine and
+        what arrived) to every member and wait for their relays. The view is what I relayed plus every relay
+        that came in: a value that reached some survivors before its sender died reaches the others through
+        them, so every survivor decides from the same view unless a second member dies within the relay step.
+        What arrives directly after I relayed is not in my view (it would be in no one else's).
+        """
+        held[self.me] = mine
+        await self._exchange(method, {key: mine}, held_in, deadlines[0])
+        view = dict(held)
+        await self._exchange(method, {"relay": dict(view)}, relays_in, deadlines[1])
+        for relay in list(relays.values()):
+            for peer, value in relay.items():
+                view.setdefault(peer, value)
+        return view
+
     async def _agree(self, hashes: list[str | None]) -> list[bool]:
-        """Exchange reports of what I hold (one hash or None per member's slot) and return, per slot, whether
-        every report in hand holds it with the same hash: only those slots are applied, by every member."""
-        await self._exchange("report", {"hashes": hashes}, self.reports_in, self.report_deadline)
-        self.reports[self.me] = hashes
+        """Exchange and relay reports of what I hold (one hash or None per member's slot) and return, per slot,
+        whether every report in the merged view holds it with the same hash: only those slots are applied.
+
+        Two members' reports are needed: with mine alone I cannot know what anyone else holds or applies.
+        """
+        self.view = await self._relayed(
+            "report", "hashes", hashes, self.reports, self.reports_in, self.report_relays, self.report_relays_in,
+            (self.report_deadline, self.relay_deadline),
+        )  # fmt: skip
+        reports = list(self.view.values())
         return [
-            hashes[j] is not None and all(rep[j] == hashes[j] for rep in self.reports.values())
+            len(reports) >= 2 and reports[0][j] is not None and all(rep[j] == reports[0][j] for rep in reports)
             for j in range(self.group.size)
         ]
 
@@ -295,16 +356,24 @@ class GroupExchange(ABC):
         if exc.code == "no-group":  # it never heard of this group (it gave up joining): do not wait for it
             self.liveness.mark_dead(peer, "not in this group")
 
-    async def exchange_digests(self, digest: str) -> str:
-        """Send my state digest to the group and return the digest most members hold (ties: the smallest)."""
-        self.digests[self.me] = digest
+    async def exchange_digests(self, digest: str) -> dict[str, str]:
+        """Send and relay my state digest; return the merged view of the group's digests (member -> digest)."""
+        loop = asyncio.get_running_loop()
+        half = loop.time() + 0.5 * max(self.deadline - loop.time(), 0.0)
         try:
-            await self._exchange("digest", {"digest": digest}, self.digests_in, self.deadline)
+            return await self._relayed(
+                "digest", "digest", digest, self.digests, self.digests_in, self.digest_relays, self.digest_relays_in,
+                (half, self.deadline),
+            )  # fmt: skip
         finally:
             self.liveness.close()
-        counts = Counter(self.digests.values())
-        best = max(counts.values())
-        return min(d for d, c in counts.items() if c == best)
+
+
+def digest_vote(view: dict[str, str]) -> str:
+    """The digest most members in ``view`` hold (ties: the smallest)."""
+    counts = Counter(view.values())
+    best = max(counts.values())
+    return min(d for d, c in counts.items() if c == best)
 
 
 class AllReduce(GroupExchange):
@@ -496,6 +565,10 @@ class AllReduce(GroupExchange):
                             break
                 self.reduced_parts.add(p)
                 included = [i for i, peer in enumerate(members) if peer in contributors and self._usable(peer, p)]
+                if not included:
+                    # Nothing to average: the shard is missing for everyone (the agreed fallback), never zeros.
+                    log.info("shard %d part %d: no contribution arrived; the shard falls back", self.index, p)
+                    break
                 total = sum(weights[i] for i in included)
                 average = torch.zeros(e - s)
                 for i in included:

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from swarmtrain.averaging.allgather import AllGather, plan_segments
-from swarmtrain.averaging.allreduce import AllReduce, AllReduceResult, GroupExchange
+from swarmtrain.averaging.allreduce import AllReduce, AllReduceResult, GroupExchange, digest_vote
 from swarmtrain.averaging.group import Group
 from swarmtrain.averaging.matchmaking import Matchmaker
 from swarmtrain.averaging.outer import OuterOptimizer
@@ -272,7 +272,7 @@ class Averager:
         allreduce_started = time.perf_counter()
         deadline_s = group.deadline_s or self.deadline_s()  # the leader's, so all members share one budget
         deadline = asyncio.get_running_loop().time() + deadline_s
-        spread = None
+        spread, mixes = None, False
         if group.mixed:
             # Gossip: members come from different groups of the last round, so their theta_g differ. Average
             # theta_g and the momentum first (lossless fp32), then the update as usual.
@@ -284,7 +284,10 @@ class Averager:
                 self._forget(mixing)
             deadline = asyncio.get_running_loop().time() + deadline_s  # the update gets a full budget of its own
             numel = self.numel
-            if mixed.complete:
+            # Whether to mix is the reports' agreed decision, the same on every member that decides at all: a
+            # member's own view of who died would split the group into mixers and keepers.
+            mixes = all(mixed.applied)
+            if mixes:
                 spread = float((self.outer.theta - mixed.average[:numel]).norm() / mixed.average[:numel].norm())
                 self.outer.theta.copy_(mixed.average[:numel])
                 self.outer.buf.copy_(mixed.average[numel:])
@@ -294,9 +297,12 @@ class Averager:
         phases.update(result.phases)
         self.outer.step(result.average)
         digest = self.outer.digest()
+        # A gossip group that did not mix (the agreed decision) keeps the states its members came with: they
+        # differ by design, so there is no common digest to confirm and nothing to resync to.
+        identical = not group.mixed or mixes
         confirm_started = time.perf_counter()
         try:
-            agreed = await allreduce.exchange_digests(digest)
+            digests = await allreduce.exchange_digests(digest) if identical else {self.me: digest}
         finally:
             self._forget(allreduce)
         phases["confirm_s"] = time.perf_counter() - confirm_started
@@ -304,9 +310,14 @@ class Averager:
             # The next deadline follows what moving the payloads took, not time spent waiting on a member that
             # died or stalled: that wait is bounded by this deadline and would make the next one longer still.
             self._durations.append(result.phases.get("transfer_s", 0.0) + result.phases.get("report_s", 0.0))
-        outcome = "applied" if result.complete else "fallback"
-        votes = sum(1 for d in allreduce.digests.values() if d == agreed)
-        confirmed = votes * 2 > group.size and any(p != self.me for p, d in allreduce.digests.items() if d == agreed)
+        outcome = "applied" if all(result.applied) and identical else "fallback"
+        # The vote counts the members in the relayed view of digests (those that got through the round), not the
+        # group's size: two identical survivors of four confirm each other.
+        agreed = digest_vote(digests)
+        votes = sum(1 for d in digests.values() if d == agreed)
+        confirmed = not identical or (
+            votes * 2 > len(digests) and any(p != self.me for p, d in digests.items() if d == agreed)
+        )
         if not confirmed:
             # Nobody confirmed my digest (the group left me out, or I lost my links): I do not know the group's
             # state, and a peer still inside the round would serve its state from before the step. Catch up
@@ -316,7 +327,7 @@ class Averager:
             self.needs_catch_up = True
         elif digest != agreed:
             # In the minority: download the state the majority confirmed, verified against its digest.
-            holders = [p for p, d in allreduce.digests.items() if d == agreed and p != self.me]
+            holders = [p for p, d in digests.items() if d == agreed and p != self.me]
             log.warning("round %d: my state digest is not the group's; resyncing", round_)
             resynced = await self.fetch_state(holders, agreed, max_round=round_ + 1)
             outcome = "diverged-resynced" if resynced else "diverged"
