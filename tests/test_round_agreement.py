@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
 import torch
 
 from swarmtrain.averaging import Averager
@@ -162,3 +163,39 @@ async def test_two_identical_survivors_of_four_confirm_each_other() -> None:
     assert [o.outcome for o in survivors] == ["applied", "applied"]
     assert not any(a.needs_catch_up for a in averagers[:2])
     torch.testing.assert_close(averagers[0].outer.theta, -sum(deltas) / 4)
+
+
+@pytest.mark.parametrize("codec", ["fp32", "int8"])
+async def test_what_a_shard_that_fell_back_carried_goes_back_into_the_residual_once(codec: str) -> None:
+    """Nothing lost, nothing twice: a reducer dies after the others sent it their parts; its shard falls back
+    everywhere, and each survivor keeps what it sent there for the next round (and nothing more elsewhere)."""
+    net = MemoryNetwork()
+    averagers = [
+        Averager(
+            net.transport(f"peer{i}"), torch.zeros(NUMEL), run_id="test", group_size=16, outer_lr=1.0,
+            outer_momentum=0.0, codec_up=get_codec(codec), codec_down=get_codec(codec), part_numel=500,
+            min_deadline=1.0, deadline_factor=4.0,
+        )
+        for i in range(3)
+    ]  # fmt: skip
+    for a in averagers:
+        await a.start()
+
+    def die_before_results(src: str, dst: str, method: str, header: dict) -> None:
+        if src == "peer2" and method == "results":
+            net.kill("peer2")
+            raise PeerUnreachable("killed")
+
+    net.before_call = die_before_results
+    deltas = [torch.randn(NUMEL) for _ in range(3)]
+    outcomes = await run_round(averagers, deltas, [1.0] * 3)
+    assert [o.outcome for o in outcomes[:2]] == ["fallback", "fallback"]
+    shard = slice(2 * NUMEL // 3, NUMEL)
+    for a, delta in zip(averagers[:2], deltas[:2], strict=True):
+        assert a.residual is not None
+        # The fallen-back shard: all of the update waits in the residual (what was sent plus what the codec kept).
+        torch.testing.assert_close(a.residual[shard], delta[shard])
+        if codec == "fp32":  # lossless: nothing else is owed
+            assert torch.count_nonzero(a.residual[: 2 * NUMEL // 3]) == 0
+        # And theta_g got nothing of it there.
+        assert torch.count_nonzero(a.outer.theta[shard]) == 0

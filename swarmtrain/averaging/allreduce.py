@@ -356,10 +356,15 @@ class GroupExchange(ABC):
         if exc.code == "no-group":  # it never heard of this group (it gave up joining): do not wait for it
             self.liveness.mark_dead(peer, "not in this group")
 
-    async def exchange_digests(self, digest: str) -> dict[str, str]:
-        """Send and relay my state digest; return the merged view of the group's digests (member -> digest)."""
+    async def exchange_digests(self, digest: str, floor_s: float) -> dict[str, str]:
+        """Send and relay my state digest; return the merged view of the group's digests (member -> digest).
+
+        It runs until the exchange's deadline, or ``floor_s`` from now if that is later: a member that reaches it
+        late (a long outer step) still has time to be heard instead of marking everyone dead at once.
+        """
         loop = asyncio.get_running_loop()
-        half = loop.time() + 0.5 * max(self.deadline - loop.time(), 0.0)
+        self.deadline = max(self.deadline, loop.time() + floor_s)
+        half = loop.time() + 0.5 * (self.deadline - loop.time())
         try:
             return await self._relayed(
                 "digest", "digest", digest, self.digests, self.digests_in, self.digest_relays, self.digest_relays_in,
@@ -410,6 +415,10 @@ class AllReduce(GroupExchange):
         self.average = alloc(f"{tag}average", delta.numel())  # results land in place: no concatenation
         self.results = [_Inbox(self.average[s:e]) for s, e in self.bounds]
         self.residual = residual  # sender-side error feedback, the full length of ``delta``; kept by the caller
+        # What my payloads carry once decoded (the update plus the residual, less what the codec dropped): given
+        # back to the residual for every shard the group did not apply, so nothing I contributed is lost.
+        self.sent = alloc(f"{tag}sent", delta.numel()) if residual is not None else None
+        self.encoded: list[tuple[int, int]] = []  # the ranges of ``sent`` written this round
 
     # ---- helpers ----------------------------------------------------------------------------------------
 
@@ -523,8 +532,11 @@ class AllReduce(GroupExchange):
             return self.codec_up.encode(self.delta[start:end])
         state = CodecState(residual=self.residual[start:end])  # encode rebinds it, never writes into it
         payload = self.codec_up.encode(self.delta[start:end], state)
-        assert state.residual is not None
+        assert state.residual is not None and self.sent is not None
+        # The codec split delta + residual into what it sends and the new residual.
+        torch.sub(self.delta[start:end] + self.residual[start:end], state.residual, out=self.sent[start:end])
         self.residual[start:end] = state.residual
+        self.encoded.append((start, end))
         return payload
 
     async def _reduce_and_broadcast(self) -> None:
@@ -597,6 +609,7 @@ class AllReduce(GroupExchange):
             for result, ok in zip(self.results, applied, strict=True):
                 if not ok:
                     result.buffer.zero_()  # the same fallback on every member: no update for this shard
+            self._give_back(applied)
             average = self.average
             excluded = sorted(self.liveness.dead | self.bad_senders)
             phases = {"transfer_s": transferred - started, "report_s": loop.time() - transferred}
@@ -604,6 +617,25 @@ class AllReduce(GroupExchange):
         finally:
             self.closed = True
             self.liveness.close()
+
+    def _give_back(self, applied: list[bool]) -> None:
+        """Return to the residual, once, what I contributed to shards the group did not apply, and the parts of my
+        update that were never encoded (a stream that broke first): the next round sends them again.
+
+        Not covered: a part that was sent but left out by a reducer whose shard still applied (it arrived after
+        the reduction); the reducer does not report whom it included.
+        """
+        if self.residual is None or self.sent is None or self.group.weights[self.index] <= 0:
+            return
+        encoded = torch.zeros(self.delta.numel(), dtype=torch.bool)
+        for start, end in self.encoded:
+            encoded[start:end] = True
+        unsent = ~encoded
+        self.residual[unsent] += self.delta[unsent]
+        for (start, end), ok in zip(self.bounds, applied, strict=True):
+            if not ok:
+                mask = encoded[start:end]
+                self.residual[start:end][mask] += self.sent[start:end][mask]
 
     async def _gather(self) -> None:
         for j, peer in enumerate(self.group.members):
