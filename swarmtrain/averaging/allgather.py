@@ -191,6 +191,7 @@ class AllGather(GroupExchange):
     async def run(self) -> AllReduceResult:
         loop = asyncio.get_running_loop()
         started = loop.time()
+        self._start_clock()
         members = self.group.members
         try:
             sends = []

@@ -160,13 +160,8 @@ class GroupExchange(ABC):
         self.index = group.index(me)
         self.route = group.group_id + tag
         self.header = {**header, "group": self.route}
-        loop_now = asyncio.get_running_loop().time()
-        span = max(deadline - loop_now, 0.0)
-        self.scatter_deadline = loop_now + 0.5 * span
-        self.transfer_deadline = loop_now + 0.75 * span
-        self.report_deadline = loop_now + 0.82 * span
-        self.relay_deadline = loop_now + 0.88 * span
         self.deadline = deadline
+        self._start_clock()
         self.liveness = Liveness(transport, self.header)
         self.closed = False  # after the transfer, late payloads must not be stored
         self.bad_senders: set[str] = set()
@@ -183,6 +178,16 @@ class GroupExchange(ABC):
         self.on_part_sent = on_part_sent
         self.parts_sent = 0
         self._background: set[asyncio.Future[None]] = set()  # sends to members counted as gone
+
+    def _start_clock(self) -> None:
+        """Phase deadlines as shares of the time from now to the deadline. ``run`` sets them again when it starts:
+        an exchange may be created (and take messages) before, while the round's state exchange still runs."""
+        loop_now = asyncio.get_running_loop().time()
+        span = max(self.deadline - loop_now, 0.0)
+        self.scatter_deadline = loop_now + 0.5 * span
+        self.transfer_deadline = loop_now + 0.75 * span
+        self.report_deadline = loop_now + 0.82 * span
+        self.relay_deadline = loop_now + 0.88 * span
 
     def _check_member(self, sender: str) -> int:
         if sender not in self.group.members:
@@ -218,9 +223,25 @@ class GroupExchange(ABC):
         return digest
 
     def _check_relay(self, relay: Any, check: Callable[[Any], Any]) -> dict[str, Any]:
-        if not isinstance(relay, dict) or not all(isinstance(p, str) and p in self.group.members for p in relay):
-            raise Rejected("a relay maps members of this group to what each sent")
-        return {peer: check(value) for peer, value in relay.items()}
+        """A relay lists the distinct values once and maps each member to its value's index (``_pack_relay``):
+        the reports of a large group are mostly identical, and one header holds at most 64 kB."""
+        values, owners = (relay.get("values"), relay.get("from")) if isinstance(relay, dict) else (None, None)
+        if not isinstance(values, list) or not isinstance(owners, dict):
+            raise Rejected("a relay lists values and maps members to them")
+        if not all(p in self.group.members and isinstance(i, int) and 0 <= i < len(values) for p, i in owners.items()):
+            raise Rejected("a relay maps members of this group to the values it lists")
+        checked = [check(v) for v in values]
+        return {peer: checked[i] for peer, i in owners.items()}
+
+    @staticmethod
+    def _pack_relay(view: dict[str, Any]) -> dict[str, Any]:
+        values: list[Any] = []
+        owners = {}
+        for peer, value in view.items():
+            if value not in values:
+                values.append(value)
+            owners[peer] = values.index(value)
+        return {"values": values, "from": owners}
 
     def on_report(self, sender: str, header: dict[str, Any]) -> None:
         self._check_member(sender)
@@ -262,7 +283,7 @@ class GroupExchange(ABC):
         held[self.me] = mine
         await self._exchange(method, {key: mine}, held_in, deadlines[0])
         view = dict(held)
-        await self._exchange(method, {"relay": dict(view)}, relays_in, deadlines[1])
+        await self._exchange(method, {"relay": self._pack_relay(view)}, relays_in, deadlines[1])
         for relay in list(relays.values()):
             for peer, value in relay.items():
                 view.setdefault(peer, value)
@@ -599,6 +620,7 @@ class AllReduce(GroupExchange):
     async def run(self) -> AllReduceResult:
         loop = asyncio.get_running_loop()
         started = loop.time()
+        self._start_clock()
         try:
             scatter = [self._scatter_to(j) for j in range(self.group.size)]
             await asyncio.gather(*scatter, self._reduce_and_broadcast(), self._gather())

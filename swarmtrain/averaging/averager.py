@@ -278,6 +278,9 @@ class Averager:
         # left of two budgets, not a fresh one.
         deadline = exchange_started + budget * (2 if group.mixed else 1)
         spread, mixes, heard = None, False, True
+        # The update's exchange takes messages from now on: a member still in the state exchange (up to one budget
+        # behind) must not turn away peers that already send their updates.
+        allreduce = self._allreduce(group, delta, deadline, fault=self._fault_hook(round_), residual=self.residual)
         if group.mixed:
             # Gossip: members come from different groups of the last round, so their theta_g differ. Average
             # theta_g and the momentum first (lossless fp32), then the update as usual.
@@ -285,6 +288,9 @@ class Averager:
             mixing = self._allreduce(group, state, exchange_started + budget, codec=get_codec("fp32"), tag="/state")
             try:
                 mixed = await self._run(mixing)
+            except BaseException:
+                self._forget(allreduce)
+                raise
             finally:
                 self._forget(mixing)
             phases["mix_s"] = loop.time() - exchange_started
@@ -297,7 +303,6 @@ class Averager:
                 spread = float((self.outer.theta - mixed.average[:numel]).norm() / mixed.average[:numel].norm())
                 self.outer.theta.copy_(mixed.average[:numel])
                 self.outer.buf.copy_(mixed.average[numel:])
-        allreduce = self._allreduce(group, delta, deadline, fault=self._fault_hook(round_), residual=self.residual)
         result = await self._run(allreduce)
         phases.update(result.phases)
         self.outer.step(result.average)

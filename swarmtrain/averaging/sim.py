@@ -5,8 +5,9 @@ Each seed draws a group of 2-8 members, token weights (some 0), a codec (dense, 
 optimizer, a few rounds (plain, or mixed: members start from different theta_g), and per round a schedule of
 faults keyed by (sender, method, n-th call): a stream reset before or after delivery, a delay (also past the
 deadline), a member killed or frozen (its messages stall until it resumes), a duplicated or a late message. At most
-one member is killed or frozen per round: one relay step of reports and digests tolerates one failure (see
-``allreduce``); more are caught by the digest vote, not prevented. After every round it checks:
+one failure per round (a member killed or frozen, or one message slower than the deadline, which makes its sender
+count the receiver gone): one relay step of reports and digests tolerates one failure (see ``allreduce``); more
+are caught by the digest vote (the minority resyncs), not prevented. After every round it checks:
 
 (a) members that confirmed the round (and those that resynced) hold identical bytes, where they should;
 (b) every member leaves the round within its bound (``Averager.budget_s``);
@@ -156,10 +157,10 @@ async def _one(body: bytes) -> AsyncIterator[bytes]:
 
 def draw_faults(rng: random.Random, members: list[str], budget: float) -> list[Fault]:
     plan: list[Fault] = []
-    failed = False  # at most one member killed or frozen per round
+    failed = False  # at most one failure per round: a member killed or frozen, or one link slower than the deadline
     for _ in range(rng.randint(0, 6)):
         kind = rng.choice(KINDS)
-        if kind in ("kill", "freeze"):
+        if kind in ("kill", "freeze", "late-delay"):
             if failed:
                 continue
             failed = True
@@ -309,7 +310,7 @@ def _check(
                 if codec == "fp32" and not torch.allclose(_residual(m.averager)[s:e], owed, rtol=1e-5, atol=1e-6):
                     found.append(f"(d) {m.averager.me}: shard {j} fell back but its residual lost or doubled it")
             elif codec == "fp32" and not _subset_average(
-                [deltas[k][s:e] for k in order], [weights[k] for k in order], change
+                [deltas[k][s:e] + before[k][1][s:e] for k in order], [weights[k] for k in order], change
             ):
                 found.append(f"(d) {m.averager.me}: shard {j} is not a weighted average of contributions")
     return found
