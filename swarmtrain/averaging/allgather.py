@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from swarmtrain.averaging.allreduce import MAX_ABS_VALUE, AllReduceResult, GroupExchange, wait_or_dead
+from swarmtrain.averaging.exchange import MAX_ABS_VALUE, AllReduceResult, GroupExchange, wait_or_dead
 from swarmtrain.averaging.group import Group
 from swarmtrain.compression import BaseCodec, CodecError, CodecState, get_codec, peek_header
 from swarmtrain.net import Rejected, Transport

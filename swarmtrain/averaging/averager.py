@@ -18,7 +18,8 @@ from typing import Any
 import torch
 
 from swarmtrain.averaging.allgather import AllGather, plan_segments
-from swarmtrain.averaging.allreduce import AllReduce, AllReduceResult, GroupExchange, digest_vote
+from swarmtrain.averaging.allreduce import AllReduce
+from swarmtrain.averaging.exchange import AllReduceResult, GroupExchange, digest_vote
 from swarmtrain.averaging.group import Group
 from swarmtrain.averaging.matchmaking import Matchmaker
 from swarmtrain.averaging.outer import OuterOptimizer

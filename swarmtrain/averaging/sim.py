@@ -6,7 +6,7 @@ optimizer, a few rounds (plain, or mixed: members start from different theta_g),
 faults keyed by (sender, method, n-th call): a stream reset before or after delivery, a delay (also past the
 deadline), a member killed or frozen (its messages stall until it resumes), a duplicated or a late message. At most
 one failure per round (a member killed or frozen, or one message slower than the deadline, which makes its sender
-count the receiver gone): one relay step of reports and digests tolerates one failure (see ``allreduce``); more
+count the receiver gone): one relay step of reports and digests tolerates one failure (see ``exchange``); more
 are caught by the digest vote (the minority resyncs), not prevented. After every round it checks:
 
 (a) members that confirmed the round (and those that resynced) hold identical bytes, where they should;
