@@ -11,8 +11,9 @@ import pytest
 from swarmtrain.averaging.sim import replay_command, run_seed
 
 # Seeds that found a break in the protocol, kept as regression tests (seed, rounds): a member cut off through the
-# report exchange decided alone (its view held only its own report) in a gossip round that did not mix, and
-# confirmed a state nobody shared instead of counting itself diverged.
+# report exchange decided alone in a gossip round that did not mix, and confirmed a state nobody shared instead
+# of counting itself diverged. Each fails when both guards in ``Averager.run_round`` are removed (a member that
+# heard no one's report, or that holds the digests of half the group or fewer, does not confirm an unmixed round).
 FOUND = [(222, 1), (132, 2), (191, 2), (220, 2)]
 
 

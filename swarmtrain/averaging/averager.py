@@ -331,8 +331,11 @@ class Averager:
         majority = votes >= 2 and votes * 2 > len(digests)
         # A member that heard no one's report decided alone: in a gossip round that did not mix nobody can
         # confirm or refute its state, so it counts itself diverged rather than trust a decision nobody shared.
+        # Likewise a member that did not mix and holds the digests of half the group or fewer: the others may
+        # have mixed (their common digest would be a majority) without its hearing of it.
         alone = len(allreduce.view) < 2 or not heard
-        confirmed = (majority and digest == agreed) or (not identical and not majority and not alone)
+        unmixed = not identical and not majority and not alone and len(digests) * 2 > group.size
+        confirmed = (majority and digest == agreed) or unmixed
         if majority and digest != agreed:
             # In the minority: download the state the majority confirmed, verified against its digest, within
             # one budget (the round's bound includes it).

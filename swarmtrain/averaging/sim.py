@@ -29,6 +29,7 @@ import logging
 import random
 import selectors
 import sys
+from collections import Counter
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -273,13 +274,19 @@ def _check(
         if o.duration_s > bound:
             found.append(f"(b) {m.averager.me} took {o.duration_s:.2f} s, bound {bound:.2f} s ({o.phases})")
     confirmed = [(i, m, o) for i, m, o in survivors if o.outcome in ("applied", "fallback") and o.group.size > 1]
-    # (c) one decision per slot, and on whether to mix, among the members that heard others' reports: those that
-    # confirmed the round, and the correct ones (not frozen this round) whatever their digest vote said afterwards.
-    # A member that heard no one (a dead link both ways) decides alone and knows it: it counts itself diverged.
+    # (c) one decision per slot, and on whether to mix, among the correct members (not frozen this round) that
+    # heard others' reports, whatever their digest vote said afterwards; and a frozen member that confirmed a
+    # state no other member holds must not have decided apart either. (A member that heard no one decides alone
+    # and knows it: it counts itself diverged.)
+    held = Counter(o.digest for _, _, o in survivors)
     deciders = [
         (m, o)
         for _, m, o in survivors
-        if o.group.size > 1 and (o.outcome in ("applied", "fallback") or not (o.alone or m.averager.me in frozen))
+        if o.group.size > 1
+        and (
+            (m.averager.me not in frozen and not o.alone)
+            or (o.outcome in ("applied", "fallback") and held[o.digest] == 1)
+        )
     ]
     decisions = {(o.group.group_id, o.decisions, o.mixed) for _, o in deciders}
     if len({d[0] for d in decisions}) < len(decisions):
