@@ -29,7 +29,7 @@ from swarmtrain.net import Handler, Rejected, StreamHandler, Transport
 
 log = logging.getLogger(__name__)
 
-PROTOCOL_VERSION = 3  # 2: sparse and low-rank codecs are all-gathered whole; 3: state served in chunks
+PROTOCOL_VERSION = 4  # 2: sparse and low-rank codecs are all-gathered whole; 3: state served in chunks; 4: relays
 _ROUTE_WAIT = 5.0  # a member may hear of its group a moment after a peer that already sends
 _SMALL = 1 << 16
 _MAX_ROUTES = 64
