@@ -83,8 +83,11 @@ def test_survivors_of_a_kill_9_mid_all_reduce_agree_and_keep_training(swarm: Swa
         assert len(digests) == 3 and len(set(digests.values())) == 1, (round_, digests)
     killed_round = [r for r in swarm.rounds("n0") if r["round"] == 2][0]
     deadline = 8 * 3  # averaging.min_deadline_s before any round was measured, times 3
-    assert killed_round["outcome"] in ("fallback", "applied") and killed_round["duration_s"] < deadline + 3 + 1
+    # The victim died before it could reduce its own shard: every survivor drops that quarter alike and applies the
+    # other three, within the round's bound.
     assert killed_round["group_size"] == 4
+    assert (killed_round["outcome"], killed_round["applied_fraction"]) == ("fallback", 0.75), killed_round
+    assert killed_round["duration_s"] < deadline + 3 + 1
     later = [r for r in swarm.rounds("n0") if r["round"] >= 3]
     assert all(r["group_size"] == 3 and r["outcome"] == "applied" for r in later)
 

@@ -1,7 +1,8 @@
 """The outer step: group formation, butterfly all-reduce, outer optimizer, digest confirmation, state sync."""
 
-from swarmtrain.averaging.allreduce import AllReduce, AllReduceResult
+from swarmtrain.averaging.allreduce import AllReduce
 from swarmtrain.averaging.averager import PROTOCOL_VERSION, Averager, RoundOutcome
+from swarmtrain.averaging.exchange import AllReduceResult
 from swarmtrain.averaging.group import Group, gossip_groups, leader_candidates
 from swarmtrain.averaging.outer import OuterOptimizer, state_digest
 

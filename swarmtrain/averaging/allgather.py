@@ -13,8 +13,9 @@ Phases, all bounded by the round's deadline:
 1. exchange: every contributor (weight > 0) encodes its update once, segment by segment (``plan_segments``), and
    streams the same frames to every other member. A receiver checks each frame's header and exact length against
    the segment as it arrives; a sender with a malformed frame is left out.
-2. report: members tell each other which contributions they hold (a hash of each). A contribution is applied only
-   if every report in hand holds it with the same hash; my own only if some other member reported holding it.
+2. report: members tell each other which contributions they hold (a hash of each) and relay the reports they hold
+   (see ``allreduce``). A contribution is applied only if every report in that merged view holds it with the same
+   hash, and the view holds more than the contributor's own report.
    A sender whose payload was not applied adds it back to its error-feedback residual: nothing is lost.
 3. reduce: every member decodes the agreed contributions in member order, scales each by its token weight, sums and
    divides by the total weight. The same bytes and the same elementwise operations give bit-identical averages.
@@ -32,7 +33,7 @@ from typing import Any
 
 import torch
 
-from swarmtrain.averaging.allreduce import MAX_ABS_VALUE, AllReduceResult, GroupExchange, wait_or_dead
+from swarmtrain.averaging.exchange import MAX_ABS_VALUE, AllReduceResult, GroupExchange, wait_or_dead
 from swarmtrain.averaging.group import Group
 from swarmtrain.compression import BaseCodec, CodecError, CodecState, get_codec, peek_header
 from swarmtrain.net import Rejected, Transport
@@ -190,6 +191,7 @@ class AllGather(GroupExchange):
     async def run(self) -> AllReduceResult:
         loop = asyncio.get_running_loop()
         started = loop.time()
+        self._start_clock()
         members = self.group.members
         try:
             sends = []
@@ -208,9 +210,6 @@ class AllGather(GroupExchange):
             transferred = loop.time()
             hashes = [self._hash(p) for p in members]
             applied = await self._agree(hashes)
-            others = [rep for peer, rep in self.reports.items() if peer != self.me]
-            if not any(rep[self.index] == hashes[self.index] for rep in others):
-                applied[self.index] = False  # no one else reported holding my payload: no one else applies it
             self._reduce(applied)
             if self._contributes(self.me) and not applied[self.index] and self.residual is not None:
                 # My payload was left out: keep what it carried for the next round instead of losing it.

@@ -8,11 +8,13 @@ Phases, all bounded by the round's deadline:
    codec, non-finite values) is left out of that shard.
 2. all-gather: each reducer encodes its averaged shard once and sends the same bytes to every member, so all
    members that receive shard j hold the identical shard.
-3. report: members tell each other which shards they hold (a hash of each). A shard is applied only if every
-   report in hand holds it with the same hash; otherwise every member applies the same fallback for it
-   (a zero update: theta_g keeps its value there). A dead reducer's shard is thus dropped by all survivors.
-4. digest (after the outer step, driven by the averager): members exchange a digest of their new state; a
-   member in the minority marks itself diverged and resyncs.
+3. report: members tell each other which shards they hold (a hash of each), then relay every report they hold
+   to every member (``_relayed``), so a report that reached only some survivors before its sender died reaches
+   them all. A shard is applied only if every report in that merged view holds it with the same hash; otherwise
+   every member applies the same fallback for it (a zero update: theta_g keeps its value there). A dead
+   reducer's shard, or one whose reducer had no contribution to average, is thus dropped by all survivors.
+4. digest (after the outer step, driven by the averager): members exchange and relay a digest of their new
+   state the same way; a member in the minority of that merged view marks itself diverged and resyncs.
 
 Dead peers are noticed by stream errors and by pings while waiting on them, not only by the deadline.
 """
@@ -22,92 +24,18 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
-from abc import ABC, abstractmethod
-from collections import Counter
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from swarmtrain.averaging.exchange import MAX_ABS_VALUE, AllReduceResult, GroupExchange, wait_or_dead
 from swarmtrain.averaging.group import Group
 from swarmtrain.compression import Codec, CodecError, CodecState
-from swarmtrain.net import PeerUnreachable, Rejected, RemoteError, RpcError, RpcTimeout, Transport
+from swarmtrain.net import Rejected, Transport
 
 log = logging.getLogger(__name__)
-
-PING_INTERVAL = 0.5
-# A pseudo-gradient coordinate beyond this is not an update but an attack or a blow-up: reject it, so one
-# peer cannot push every replica's theta_g to inf through the outer optimizer.
-MAX_ABS_VALUE = 1e4
-PING_TIMEOUT = 1.5
-PING_FAILURES = 2  # failed pings in a row that declare a peer gone for the round
-SMALL_ATTEMPTS = 3  # tries of a report or digest over streams that break (a live peer waits for it otherwise)
-RETRY_PAUSE = 0.2
-GONE_SEND_S = 3.0  # how long a report or digest to a member counted as gone may take (it is not waited on)
-
-
-class Liveness:
-    """Which group members are known dead this round; pings a peer while someone waits on it."""
-
-    def __init__(self, transport: Transport, header: dict[str, Any]) -> None:
-        self.transport = transport
-        self.header = header
-        self.dead: set[str] = set()
-        self._events: dict[str, asyncio.Event] = {}
-        self._watchers: dict[str, asyncio.Task[None]] = {}
-
-    def event(self, peer: str) -> asyncio.Event:
-        return self._events.setdefault(peer, asyncio.Event())
-
-    def mark_dead(self, peer: str, reason: str) -> None:
-        if peer not in self.dead and peer != self.transport.peer_id:
-            log.info("peer %s is gone this round: %s", peer[-8:], reason)
-            self.dead.add(peer)
-            self.event(peer).set()
-
-    def watch(self, peer: str) -> asyncio.Event:
-        """Start pinging ``peer`` (once) and return the event that fires if it is found dead."""
-        if peer != self.transport.peer_id and peer not in self._watchers:
-            self._watchers[peer] = asyncio.create_task(self._ping_loop(peer))
-        return self.event(peer)
-
-    async def _ping_loop(self, peer: str) -> None:
-        # Two failures in a row, of either kind: under load a live peer's stream can break once (an
-        # IncompleteReadError), and a peer wrongly declared dead costs the whole group a fallback shard.
-        failures = 0
-        while peer not in self.dead:
-            try:
-                await self.transport.call(peer, "ping", self.header, timeout=PING_TIMEOUT)
-                failures = 0
-            except (PeerUnreachable, RpcTimeout) as exc:
-                failures += 1
-                if failures >= PING_FAILURES:
-                    self.mark_dead(peer, f"ping failed: {exc}")
-            except RpcError:
-                failures = 0
-            await asyncio.sleep(PING_INTERVAL)
-
-    def close(self) -> None:
-        for task in self._watchers.values():
-            task.cancel()
-        self._watchers.clear()  # a later phase (the digest exchange) may watch again
-
-
-async def wait_or_dead(done: asyncio.Event, dead: asyncio.Event, deadline: float) -> bool:
-    """Wait until ``done`` (True) or ``dead`` fires or the loop time reaches ``deadline`` (False)."""
-    if done.is_set():
-        return True
-    timeout = deadline - asyncio.get_running_loop().time()
-    if timeout <= 0:
-        return False
-    waiters = [asyncio.ensure_future(done.wait()), asyncio.ensure_future(dead.wait())]
-    try:
-        await asyncio.wait(waiters, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        for w in waiters:
-            w.cancel()
-    return done.is_set()
 
 
 def tensor_hash(t: torch.Tensor) -> str:
@@ -122,189 +50,6 @@ class _Inbox:
     parts: set[int] = field(default_factory=set)
     complete: asyncio.Event = field(default_factory=asyncio.Event)
     arrived: asyncio.Event = field(default_factory=asyncio.Event)
-
-
-@dataclass
-class AllReduceResult:
-    average: torch.Tensor
-    applied: list[bool]
-    excluded: list[str]
-    phases: dict[str, float] = field(default_factory=dict)  # seconds spent in transfer and report
-
-    @property
-    def complete(self) -> bool:
-        return all(self.applied) and not self.excluded
-
-
-class GroupExchange(ABC):
-    """What every way of averaging a group's updates shares: membership checks, liveness, the report
-    exchange that decides which contributions every member applies, and the digest exchange.
-
-    Subclasses move the payloads (``on_parts``/``on_results`` receive streams) and implement ``run``.
-    """
-
-    def __init__(
-        self,
-        group: Group,
-        me: str,
-        transport: Transport,
-        *,
-        header: dict[str, Any],
-        deadline: float,
-        on_part_sent: Callable[[int], None] | None = None,
-        tag: str = "",
-    ) -> None:
-        self.group, self.me, self.transport = group, me, transport
-        self.index = group.index(me)
-        self.route = group.group_id + tag
-        self.header = {**header, "group": self.route}
-        loop_now = asyncio.get_running_loop().time()
-        span = max(deadline - loop_now, 0.0)
-        self.scatter_deadline = loop_now + 0.5 * span
-        self.transfer_deadline = loop_now + 0.75 * span
-        self.report_deadline = loop_now + 0.88 * span
-        self.deadline = deadline
-        self.liveness = Liveness(transport, self.header)
-        self.closed = False  # after the transfer, late payloads must not be stored
-        self.bad_senders: set[str] = set()
-        self.reports: dict[str, list[str | None]] = {}
-        self.reports_in = {p: asyncio.Event() for p in group.members}
-        self.digests: dict[str, str] = {}
-        self.digests_in = {p: asyncio.Event() for p in group.members}
-        self.on_part_sent = on_part_sent
-        self.parts_sent = 0
-        self._background: set[asyncio.Future[None]] = set()  # sends to members counted as gone
-
-    def _check_member(self, sender: str) -> int:
-        if sender not in self.group.members:
-            raise Rejected(f"{sender[-8:]} is not a member of group {self.group.group_id}")
-        return self.group.index(sender)
-
-    def _part_sent(self) -> None:
-        self.parts_sent += 1
-        if self.on_part_sent is not None:
-            self.on_part_sent(self.parts_sent)
-
-    async def on_parts(self, sender: str, header: dict[str, Any], frames: AsyncIterator[bytes]) -> None:
-        raise Rejected("this round takes no parts")
-
-    async def on_results(self, sender: str, header: dict[str, Any], frames: AsyncIterator[bytes]) -> None:
-        raise Rejected("this round takes no results")
-
-    @abstractmethod
-    async def run(self) -> AllReduceResult:
-        """Move the payloads, agree on what is applied, and return the average."""
-
-    def on_report(self, sender: str, header: dict[str, Any]) -> None:
-        self._check_member(sender)
-        hashes = header.get("hashes")
-        if not isinstance(hashes, list) or len(hashes) != self.group.size:
-            raise Rejected("report must list one hash per member")
-        if not all(h is None or isinstance(h, str) for h in hashes):
-            raise Rejected("report hashes must be strings or nil")
-        self.reports[sender] = hashes
-        self.reports_in[sender].set()
-
-    def on_digest(self, sender: str, header: dict[str, Any]) -> None:
-        self._check_member(sender)
-        digest = header.get("digest")
-        if not isinstance(digest, str) or len(digest) > 64:
-            raise Rejected("digest must be a short string")
-        self.digests[sender] = digest
-        self.digests_in[sender].set()
-
-    async def _agree(self, hashes: list[str | None]) -> list[bool]:
-        """Exchange reports of what I hold (one hash or None per member's slot) and return, per slot, whether
-        every report in hand holds it with the same hash: only those slots are applied, by every member."""
-        await self._exchange("report", {"hashes": hashes}, self.reports_in, self.report_deadline)
-        self.reports[self.me] = hashes
-        return [
-            hashes[j] is not None and all(rep[j] == hashes[j] for rep in self.reports.values())
-            for j in range(self.group.size)
-        ]
-
-    async def _stream(
-        self, peer: str, method: str, header: dict[str, Any], frames: AsyncIterator[bytes], count: int, deadline: float
-    ) -> bool:
-        """Stream ``count`` frames to ``peer`` on one stream; False if it broke or ran out of time.
-
-        A stream that breaks is not proof of death (under load its answer can be cut after every frame went
-        through): the peer is pinged from then on and counted gone only if the pings fail too.
-        """
-        timeout = deadline - asyncio.get_running_loop().time()
-        try:
-            await self.transport.call_stream(peer, method, header, frames, count=count, timeout=max(timeout, 0.01))
-            return True
-        except PeerUnreachable as exc:
-            log.info("%s; pinging %s", exc, peer[-8:])
-            self.liveness.watch(peer)
-        except RpcTimeout as exc:
-            self.liveness.mark_dead(peer, str(exc))
-        except RemoteError as exc:
-            self._refused(peer, exc)
-        return False
-
-    async def _exchange(
-        self, method: str, payload: dict[str, Any], inbox: dict[str, asyncio.Event], deadline: float
-    ) -> None:
-        """Send my report or digest to every member and wait for theirs from the members still live.
-
-        Members I count as gone get mine too, without waiting on them: one I gave up on wrongly (a broken
-        stream under load) would otherwise wait for it until the deadline, and hold the round's reports in a
-        different view than everyone else.
-        """
-        header = {**self.header, **payload}
-        others = [p for p in self.group.members if p != self.me]
-        loop = asyncio.get_running_loop()
-        sends = {}
-        for peer in others:
-            gone = peer in self.liveness.dead
-            until = min(deadline, loop.time() + GONE_SEND_S) if gone else deadline
-            sends[peer] = asyncio.ensure_future(self._send_small(peer, method, header, until))
-        for peer in others:
-            if peer not in self.liveness.dead:
-                await wait_or_dead(inbox[peer], self.liveness.watch(peer), deadline)
-        for peer, task in sends.items():  # what I send to members gone by now finishes in the background
-            if peer in self.liveness.dead:
-                self._background.add(task)
-                task.add_done_callback(self._background.discard)
-        await asyncio.gather(*(t for t in sends.values() if t not in self._background))
-
-    async def _send_small(self, peer: str, method: str, header: dict[str, Any], deadline: float) -> None:
-        """Send a report or digest; a broken stream is retried (the peer would otherwise wait for it until the
-        deadline), a peer that still cannot be reached is marked dead."""
-        loop = asyncio.get_running_loop()
-        for attempt in range(SMALL_ATTEMPTS):
-            try:
-                await self.transport.call(peer, method, header, timeout=max(deadline - loop.time(), 0.01))
-                return
-            except PeerUnreachable as exc:
-                if attempt + 1 == SMALL_ATTEMPTS or deadline - loop.time() < 2 * RETRY_PAUSE:
-                    self.liveness.mark_dead(peer, str(exc))
-                    return
-                await asyncio.sleep(RETRY_PAUSE)
-            except RpcTimeout as exc:
-                self.liveness.mark_dead(peer, str(exc))
-                return
-            except RemoteError as exc:
-                self._refused(peer, exc)
-                return
-
-    def _refused(self, peer: str, exc: RemoteError) -> None:
-        log.warning("%s", exc)
-        if exc.code == "no-group":  # it never heard of this group (it gave up joining): do not wait for it
-            self.liveness.mark_dead(peer, "not in this group")
-
-    async def exchange_digests(self, digest: str) -> str:
-        """Send my state digest to the group and return the digest most members hold (ties: the smallest)."""
-        self.digests[self.me] = digest
-        try:
-            await self._exchange("digest", {"digest": digest}, self.digests_in, self.deadline)
-        finally:
-            self.liveness.close()
-        counts = Counter(self.digests.values())
-        best = max(counts.values())
-        return min(d for d, c in counts.items() if c == best)
 
 
 class AllReduce(GroupExchange):
@@ -341,6 +86,10 @@ class AllReduce(GroupExchange):
         self.average = alloc(f"{tag}average", delta.numel())  # results land in place: no concatenation
         self.results = [_Inbox(self.average[s:e]) for s, e in self.bounds]
         self.residual = residual  # sender-side error feedback, the full length of ``delta``; kept by the caller
+        # What my payloads carry once decoded (the update plus the residual, less what the codec dropped): given
+        # back to the residual for every shard the group did not apply, so nothing I contributed is lost.
+        self.sent = alloc(f"{tag}sent", delta.numel()) if residual is not None else None
+        self.encoded: list[tuple[int, int]] = []  # the ranges of ``sent`` written this round
 
     # ---- helpers ----------------------------------------------------------------------------------------
 
@@ -454,8 +203,11 @@ class AllReduce(GroupExchange):
             return self.codec_up.encode(self.delta[start:end])
         state = CodecState(residual=self.residual[start:end])  # encode rebinds it, never writes into it
         payload = self.codec_up.encode(self.delta[start:end], state)
-        assert state.residual is not None
+        assert state.residual is not None and self.sent is not None
+        # The codec split delta + residual into what it sends and the new residual.
+        torch.sub(self.delta[start:end] + self.residual[start:end], state.residual, out=self.sent[start:end])
         self.residual[start:end] = state.residual
+        self.encoded.append((start, end))
         return payload
 
     async def _reduce_and_broadcast(self) -> None:
@@ -496,6 +248,10 @@ class AllReduce(GroupExchange):
                             break
                 self.reduced_parts.add(p)
                 included = [i for i, peer in enumerate(members) if peer in contributors and self._usable(peer, p)]
+                if not included:
+                    # Nothing to average: the shard is missing for everyone (the agreed fallback), never zeros.
+                    log.info("shard %d part %d: no contribution arrived; the shard falls back", self.index, p)
+                    break
                 total = sum(weights[i] for i in included)
                 average = torch.zeros(e - s)
                 for i in included:
@@ -514,6 +270,7 @@ class AllReduce(GroupExchange):
     async def run(self) -> AllReduceResult:
         loop = asyncio.get_running_loop()
         started = loop.time()
+        self._start_clock()
         try:
             scatter = [self._scatter_to(j) for j in range(self.group.size)]
             await asyncio.gather(*scatter, self._reduce_and_broadcast(), self._gather())
@@ -524,6 +281,7 @@ class AllReduce(GroupExchange):
             for result, ok in zip(self.results, applied, strict=True):
                 if not ok:
                     result.buffer.zero_()  # the same fallback on every member: no update for this shard
+            self._give_back(applied)
             average = self.average
             excluded = sorted(self.liveness.dead | self.bad_senders)
             phases = {"transfer_s": transferred - started, "report_s": loop.time() - transferred}
@@ -531,6 +289,25 @@ class AllReduce(GroupExchange):
         finally:
             self.closed = True
             self.liveness.close()
+
+    def _give_back(self, applied: list[bool]) -> None:
+        """Return to the residual, once, what I contributed to shards the group did not apply, and the parts of my
+        update that were never encoded (a stream that broke first): the next round sends them again.
+
+        Not covered: a part that was sent but left out by a reducer whose shard still applied (it arrived after
+        the reduction); the reducer does not report whom it included.
+        """
+        if self.residual is None or self.sent is None or self.group.weights[self.index] <= 0:
+            return
+        encoded = torch.zeros(self.delta.numel(), dtype=torch.bool)
+        for start, end in self.encoded:
+            encoded[start:end] = True
+        unsent = ~encoded
+        self.residual[unsent] += self.delta[unsent]
+        for (start, end), ok in zip(self.bounds, applied, strict=True):
+            if not ok:
+                mask = encoded[start:end]
+                self.residual[start:end][mask] += self.sent[start:end][mask]
 
     async def _gather(self) -> None:
         for j, peer in enumerate(self.group.members):

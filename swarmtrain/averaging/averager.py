@@ -11,7 +11,6 @@ import asyncio
 import logging
 import os
 import signal
-import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -19,7 +18,8 @@ from typing import Any
 import torch
 
 from swarmtrain.averaging.allgather import AllGather, plan_segments
-from swarmtrain.averaging.allreduce import AllReduce, AllReduceResult, GroupExchange
+from swarmtrain.averaging.allreduce import AllReduce
+from swarmtrain.averaging.exchange import AllReduceResult, GroupExchange, digest_vote
 from swarmtrain.averaging.group import Group
 from swarmtrain.averaging.matchmaking import Matchmaker
 from swarmtrain.averaging.outer import OuterOptimizer
@@ -29,11 +29,12 @@ from swarmtrain.net import Handler, Rejected, StreamHandler, Transport
 
 log = logging.getLogger(__name__)
 
-PROTOCOL_VERSION = 3  # 2: sparse and low-rank codecs are all-gathered whole; 3: state served in chunks
+PROTOCOL_VERSION = 4  # 2: sparse/low-rank all-gathered; 3: state in chunks; 4: relays, records signed by identity
 _ROUTE_WAIT = 5.0  # a member may hear of its group a moment after a peer that already sends
 _SMALL = 1 << 16
 _MAX_ROUTES = 64
 _ROUTES_PER_PEER = 4  # groups one peer may announce before we claim them: a stranger cannot crowd out real ones
+DIGEST_SHARE = 0.1  # the least share of a budget the digest exchange gets, even when it starts late
 
 
 @dataclass
@@ -47,6 +48,9 @@ class RoundOutcome:
     duration_s: float
     spread: float | None = None  # gossip: relative distance of my theta_g to my group's average before mixing
     phases: dict[str, float] = field(default_factory=dict)  # where the round's time went
+    decisions: tuple[bool, ...] = ()  # per member's slot (shard or payload): applied (True) or fell back
+    mixed: bool = False  # a gossip round: whether theta_g and the momentum were mixed (the agreed decision)
+    alone: bool = False  # decided without anyone else's report (cut off): the decisions are its own, not agreed
 
 
 class Averager:
@@ -82,9 +86,9 @@ class Averager:
         self.round = 0
         self.needs_catch_up = False
         self._buffers: dict[str, torch.Tensor] = {}
-        # Error feedback for lossy uplink codecs: what the codec dropped, re-sent with later rounds.
-        lossless = codec_up.name == "fp32"
-        self.residual = torch.zeros_like(theta) if error_feedback and not lossless else None
+        # Error feedback: what the codec dropped, and what this node contributed but the group did not apply (a
+        # shard or payload that fell back), re-sent with later rounds. Lossless codecs need it for the latter.
+        self.residual = torch.zeros_like(theta) if error_feedback else None
         # Sparse and low-rank codecs are all-gathered whole, segment by segment (``shapes``: the model's
         # parameter shapes in flat order, so PowerSGD factors real weight matrices).
         self.segments = plan_segments(codec_up, theta.numel(), shapes, part_numel) if codec_up.sparse else []
@@ -256,7 +260,8 @@ class Averager:
     ) -> RoundOutcome:
         """Average ``delta`` (theta_g - theta_local) with my group and apply the outer step to theta_g."""
         round_ = self.round
-        started = time.perf_counter()
+        loop = asyncio.get_running_loop()
+        started = loop.time()  # the loop's clock: virtual in the fault simulator, so seeds replay exactly
         if not all_finite(delta):
             log.error("round %d: the local update is not finite (training diverged); contributing nothing", round_)
             delta, weight = torch.zeros_like(delta), 0.0
@@ -274,71 +279,113 @@ class Averager:
                 if weight > 0:
                     self.stale, self.stale_round = delta.clone(), round_
                 log.warning("round %d: no group formed although peers are live; will catch up from them", round_)
-                return RoundOutcome(
-                    round_, group, "diverged", self.outer.digest(), 0.0, [], time.perf_counter() - started
-                )
+                return RoundOutcome(round_, group, "diverged", self.outer.digest(), 0.0, [], loop.time() - started)
             self.outer.step(delta)
-            return RoundOutcome(round_, group, "applied", self.outer.digest(), 1.0, [], time.perf_counter() - started)
-        allreduce_started = time.perf_counter()
-        deadline_s = group.deadline_s or self.deadline_s()  # the leader's, so all members share one budget
-        deadline = asyncio.get_running_loop().time() + deadline_s
-        spread = None
+            return RoundOutcome(round_, group, "applied", self.outer.digest(), 1.0, [], loop.time() - started)
+        exchange_started = loop.time()
+        phases = {"group_s": exchange_started - started}
+        budget = self.budget_s(group)
+        # One bound for the whole exchange (see ``budget_s``): a mixed round's update gets what the state exchange
+        # left of two budgets, not a fresh one.
+        deadline = exchange_started + budget * (2 if group.mixed else 1)
+        spread, mixes, heard = None, False, True
+        # The update's exchange takes messages from now on: a member still in the state exchange (up to one budget
+        # behind) must not turn away peers that already send their updates.
+        allreduce = self._allreduce(group, delta, deadline, fault=self._fault_hook(round_), residual=self.residual)
         if group.mixed:
             # Gossip: members come from different groups of the last round, so their theta_g differ. Average
             # theta_g and the momentum first (lossless fp32), then the update as usual.
             state = torch.cat([self.outer.theta, self.outer.buf])
-            mixing = self._allreduce(group, state, deadline, codec=get_codec("fp32"), tag="/state")
+            mixing = self._allreduce(group, state, exchange_started + budget, codec=get_codec("fp32"), tag="/state")
             try:
                 mixed = await self._run(mixing)
+            except BaseException:
+                self._forget(allreduce)
+                raise
             finally:
                 self._forget(mixing)
-            deadline = asyncio.get_running_loop().time() + deadline_s  # the update gets a full budget of its own
+            phases["mix_s"] = loop.time() - exchange_started
             numel = self.numel
-            if mixed.complete:
+            # Whether to mix is the reports' agreed decision, the same on every member that decides at all: a
+            # member's own view of who died would split the group into mixers and keepers.
+            mixes = all(mixed.applied)
+            heard = len(mixing.view) >= 2
+            if mixes:
                 spread = float((self.outer.theta - mixed.average[:numel]).norm() / mixed.average[:numel].norm())
                 self.outer.theta.copy_(mixed.average[:numel])
                 self.outer.buf.copy_(mixed.average[numel:])
-        allreduce = self._allreduce(group, delta, deadline, fault=self._fault_hook(round_), residual=self.residual)
-        phases = {"group_s": allreduce_started - started}
         result = await self._run(allreduce)
         phases.update(result.phases)
         self.outer.step(result.average)
         digest = self.outer.digest()
-        confirm_started = time.perf_counter()
+        # A gossip group that did not mix (the agreed decision) keeps the states its members came with: they
+        # differ by design, so nobody has to confirm mine. The digests are still exchanged: a member that decided
+        # alone (cut off from the reports) finds itself in the minority and resyncs.
+        identical = not group.mixed or mixes
+        confirm_started = loop.time()
         try:
-            agreed = await allreduce.exchange_digests(digest)
+            digests = await allreduce.exchange_digests(digest, DIGEST_SHARE * budget)
         finally:
             self._forget(allreduce)
-        phases["confirm_s"] = time.perf_counter() - confirm_started
+        phases["confirm_s"] = loop.time() - confirm_started
         if result.complete:
             # The next deadline follows what moving the payloads took, not time spent waiting on a member that
             # died or stalled: that wait is bounded by this deadline and would make the next one longer still.
             self._durations.append(result.phases.get("transfer_s", 0.0) + result.phases.get("report_s", 0.0))
-        outcome = "applied" if result.complete else "fallback"
-        votes = sum(1 for d in allreduce.digests.values() if d == agreed)
-        confirmed = votes * 2 > group.size and any(p != self.me for p, d in allreduce.digests.items() if d == agreed)
-        if not confirmed:
+        outcome = "applied" if all(result.applied) and identical else "fallback"
+        # The vote counts the members in the relayed view of digests (those that got through the round), not the
+        # group's size: two identical survivors of four confirm each other. A state held by a strict majority of
+        # that view, by two members at least, is the group's.
+        agreed = digest_vote(digests)
+        votes = sum(1 for d in digests.values() if d == agreed)
+        majority = votes >= 2 and votes * 2 > len(digests)
+        # A member that heard no one's report decided alone: in a gossip round that did not mix nobody can
+        # confirm or refute its state, so it counts itself diverged rather than trust a decision nobody shared.
+        # Likewise a member that did not mix and holds the digests of half the group or fewer: the others may
+        # have mixed (their common digest would be a majority) without its hearing of it.
+        alone = len(allreduce.view) < 2 or not heard
+        unmixed = not identical and not majority and not alone and len(digests) * 2 > group.size
+        confirmed = (majority and digest == agreed) or unmixed
+        if majority and digest != agreed:
+            # In the minority: download the state the majority confirmed, verified against its digest, within
+            # one budget (the round's bound includes it).
+            holders = [p for p, d in digests.items() if d == agreed and p != self.me]
+            log.warning("round %d: my state digest is not the group's; resyncing", round_)
+            resync_started = loop.time()
+            try:
+                async with asyncio.timeout(budget):
+                    resynced = await self.fetch_state(holders, agreed, max_round=round_ + 1, timeout=budget)
+            except TimeoutError:
+                resynced = False
+            phases["resync_s"] = loop.time() - resync_started
+            outcome = "diverged-resynced" if resynced else "diverged"
+            self.needs_catch_up = not resynced
+            digest = self.outer.digest()
+        elif not confirmed:
             # Nobody confirmed my digest (the group left me out, or I lost my links): I do not know the group's
             # state, and a peer still inside the round would serve its state from before the step. Catch up
             # before the next round from peers that announce a later round.
             log.warning("round %d: no member confirmed my state digest; will catch up from the swarm", round_)
             outcome = "diverged"
             self.needs_catch_up = True
-        elif digest != agreed:
-            # In the minority: download the state the majority confirmed, verified against its digest.
-            holders = [p for p, d in allreduce.digests.items() if d == agreed and p != self.me]
-            log.warning("round %d: my state digest is not the group's; resyncing", round_)
-            resynced = await self.fetch_state(holders, agreed, max_round=round_ + 1)
-            outcome = "diverged-resynced" if resynced else "diverged"
-            self.needs_catch_up = not resynced
-            digest = self.outer.digest()
         self.round = max(self.round, round_ + 1)  # a resync may have moved us further
         self.solo = False
         applied = sum(result.applied) / group.size
         phases = {k: round(v, 4) for k, v in phases.items()}
         return RoundOutcome(
-            round_, group, outcome, digest, applied, result.excluded, time.perf_counter() - started, spread, phases
-        )
+            round_, group, outcome, digest, applied, result.excluded, loop.time() - started, spread, phases,
+            decisions=tuple(result.applied), mixed=mixes, alone=alone,
+        )  # fmt: skip
+
+    def budget_s(self, group: Group) -> float:
+        """The budget D of one payload exchange in ``group``: the leader's, so that every member runs the same
+        phase deadlines, but never more than ``deadline_factor`` times this member's own deadline.
+
+        The round's bound after its group formed is ``(2 if mixed else 1) * D + DIGEST_SHARE * D + D``: the
+        exchange(s), the digest exchange when the exchange used all its time, and a resync.
+        """
+        own = self.deadline_s()
+        return min(group.deadline_s or own, self.deadline_factor * own)
 
     def go_solo(self) -> None:
         """No peer to catch up from: this node is alone in the swarm and trains on by itself."""

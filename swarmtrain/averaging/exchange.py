@@ -1,0 +1,369 @@
+"""What every way of averaging a group's updates shares: who is alive this round, and the report and digest
+exchanges, relayed once, from whose merged view every member makes the same decisions (see ``allreduce`` for the
+dense butterfly and ``allgather`` for sparse payloads)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from abc import ABC, abstractmethod
+from collections import Counter
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from swarmtrain.averaging.group import Group
+from swarmtrain.net import PeerUnreachable, Rejected, RemoteError, RpcError, RpcTimeout, Transport
+
+log = logging.getLogger(__name__)
+
+PING_INTERVAL = 0.5
+# A pseudo-gradient coordinate beyond this is not an update but an attack or a blow-up: reject it, so one
+# peer cannot push every replica's theta_g to inf through the outer optimizer.
+MAX_ABS_VALUE = 1e4
+PING_TIMEOUT = 1.5
+PING_FAILURES = 2  # failed pings in a row that declare a peer gone for the round
+SMALL_ATTEMPTS = 3  # tries of a report or digest over streams that break (a live peer waits for it otherwise)
+RETRY_PAUSE = 0.2
+GONE_SEND_S = 3.0  # how long a report or digest to a member counted as gone may take (it is not waited on)
+
+
+class Liveness:
+    """Which group members are known dead this round; pings a peer while someone waits on it."""
+
+    def __init__(self, transport: Transport, header: dict[str, Any]) -> None:
+        self.transport = transport
+        self.header = header
+        self.dead: set[str] = set()
+        self._events: dict[str, asyncio.Event] = {}
+        self._watchers: dict[str, asyncio.Task[None]] = {}
+
+    def event(self, peer: str) -> asyncio.Event:
+        return self._events.setdefault(peer, asyncio.Event())
+
+    def mark_dead(self, peer: str, reason: str) -> None:
+        if peer not in self.dead and peer != self.transport.peer_id:
+            log.info("peer %s is gone this round: %s", peer[-8:], reason)
+            self.dead.add(peer)
+            self.event(peer).set()
+
+    def watch(self, peer: str) -> asyncio.Event:
+        """Start pinging ``peer`` (once) and return the event that fires if it is found dead."""
+        if peer != self.transport.peer_id and peer not in self._watchers:
+            self._watchers[peer] = asyncio.create_task(self._ping_loop(peer))
+        return self.event(peer)
+
+    async def _ping_loop(self, peer: str) -> None:
+        # Two failures in a row, of either kind: under load a live peer's stream can break once (an
+        # IncompleteReadError), and a peer wrongly declared dead costs the whole group a fallback shard.
+        failures = 0
+        while peer not in self.dead:
+            try:
+                await self.transport.call(peer, "ping", self.header, timeout=PING_TIMEOUT)
+                failures = 0
+            except (PeerUnreachable, RpcTimeout) as exc:
+                failures += 1
+                if failures >= PING_FAILURES:
+                    self.mark_dead(peer, f"ping failed: {exc}")
+            except RpcError:
+                failures = 0
+            await asyncio.sleep(PING_INTERVAL)
+
+    def close(self) -> None:
+        for task in self._watchers.values():
+            task.cancel()
+        self._watchers.clear()  # a later phase (the digest exchange) may watch again
+
+
+async def wait_or_dead(done: asyncio.Event, dead: asyncio.Event, deadline: float) -> bool:
+    """Wait until ``done`` (True) or ``dead`` fires or the loop time reaches ``deadline`` (False)."""
+    if done.is_set():
+        return True
+    timeout = deadline - asyncio.get_running_loop().time()
+    if timeout <= 0:
+        return False
+    waiters = [asyncio.ensure_future(done.wait()), asyncio.ensure_future(dead.wait())]
+    try:
+        await asyncio.wait(waiters, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for w in waiters:
+            w.cancel()
+    return done.is_set()
+
+
+@dataclass
+class AllReduceResult:
+    average: torch.Tensor
+    applied: list[bool]
+    excluded: list[str]
+    phases: dict[str, float] = field(default_factory=dict)  # seconds spent in transfer and report
+
+    @property
+    def complete(self) -> bool:
+        return all(self.applied) and not self.excluded
+
+
+class GroupExchange(ABC):
+    """What every way of averaging a group's updates shares: membership checks, liveness, the report
+    exchange that decides which contributions every member applies, and the digest exchange.
+
+    Subclasses move the payloads (``on_parts``/``on_results`` receive streams) and implement ``run``.
+    """
+
+    def __init__(
+        self,
+        group: Group,
+        me: str,
+        transport: Transport,
+        *,
+        header: dict[str, Any],
+        deadline: float,
+        on_part_sent: Callable[[int], None] | None = None,
+        tag: str = "",
+    ) -> None:
+        self.group, self.me, self.transport = group, me, transport
+        self.index = group.index(me)
+        self.route = group.group_id + tag
+        self.header = {**header, "group": self.route}
+        self.deadline = deadline
+        self._start_clock()
+        self.liveness = Liveness(transport, self.header)
+        self.closed = False  # after the transfer, late payloads must not be stored
+        self.bad_senders: set[str] = set()
+        # Reports and digests: what each member sent me itself, and what each relayed of all it held.
+        self.reports: dict[str, list[str | None]] = {}
+        self.reports_in = {p: asyncio.Event() for p in group.members}
+        self.report_relays: dict[str, dict[str, list[str | None]]] = {}
+        self.report_relays_in = {p: asyncio.Event() for p in group.members}
+        self.view: dict[str, list[str | None]] = {}  # the merged reports the decision is made from
+        self.digests: dict[str, str] = {}
+        self.digests_in = {p: asyncio.Event() for p in group.members}
+        self.digest_relays: dict[str, dict[str, str]] = {}
+        self.digest_relays_in = {p: asyncio.Event() for p in group.members}
+        self.on_part_sent = on_part_sent
+        self.parts_sent = 0
+        self._background: set[asyncio.Future[None]] = set()  # sends to members counted as gone
+
+    def _start_clock(self) -> None:
+        """Phase deadlines as shares of the time from now to the deadline. ``run`` sets them again when it starts:
+        an exchange may be created (and take messages) before, while the round's state exchange still runs."""
+        loop_now = asyncio.get_running_loop().time()
+        span = max(self.deadline - loop_now, 0.0)
+        self.scatter_deadline = loop_now + 0.5 * span
+        self.transfer_deadline = loop_now + 0.75 * span
+        self.report_deadline = loop_now + 0.82 * span
+        self.relay_deadline = loop_now + 0.88 * span
+
+    def _check_member(self, sender: str) -> int:
+        if sender not in self.group.members:
+            raise Rejected(f"{sender[-8:]} is not a member of group {self.group.group_id}")
+        return self.group.index(sender)
+
+    def _part_sent(self) -> None:
+        self.parts_sent += 1
+        if self.on_part_sent is not None:
+            self.on_part_sent(self.parts_sent)
+
+    async def on_parts(self, sender: str, header: dict[str, Any], frames: AsyncIterator[bytes]) -> None:
+        raise Rejected("this round takes no parts")
+
+    async def on_results(self, sender: str, header: dict[str, Any], frames: AsyncIterator[bytes]) -> None:
+        raise Rejected("this round takes no results")
+
+    @abstractmethod
+    async def run(self) -> AllReduceResult:
+        """Move the payloads, agree on what is applied, and return the average."""
+
+    def _check_report(self, hashes: Any) -> list[str | None]:
+        if not isinstance(hashes, list) or len(hashes) != self.group.size:
+            raise Rejected("report must list one hash per member")
+        if not all(h is None or (isinstance(h, str) and len(h) <= 64) for h in hashes):
+            raise Rejected("report hashes must be short strings or nil")
+        return hashes
+
+    @staticmethod
+    def _check_digest(digest: Any) -> str:
+        if not isinstance(digest, str) or len(digest) > 64:
+            raise Rejected("digest must be a short string")
+        return digest
+
+    def _check_relay(self, relay: Any, check: Callable[[Any], Any]) -> dict[str, Any]:
+        """A relay lists the distinct values once and maps each member to its value's index (``_pack_relay``):
+        the reports of a large group are mostly identical, and one header holds at most 64 kB."""
+        values, owners = (relay.get("values"), relay.get("from")) if isinstance(relay, dict) else (None, None)
+        if not isinstance(values, list) or not isinstance(owners, dict):
+            raise Rejected("a relay lists values and maps members to them")
+        if not all(p in self.group.members and isinstance(i, int) and 0 <= i < len(values) for p, i in owners.items()):
+            raise Rejected("a relay maps members of this group to the values it lists")
+        checked = [check(v) for v in values]
+        return {peer: checked[i] for peer, i in owners.items()}
+
+    @staticmethod
+    def _pack_relay(view: dict[str, Any]) -> dict[str, Any]:
+        values: list[Any] = []
+        owners = {}
+        for peer, value in view.items():
+            if value not in values:
+                values.append(value)
+            owners[peer] = values.index(value)
+        return {"values": values, "from": owners}
+
+    def on_report(self, sender: str, header: dict[str, Any]) -> None:
+        self._check_member(sender)
+        if "relay" in header:
+            self.report_relays[sender] = self._check_relay(header["relay"], self._check_report)
+            self.report_relays_in[sender].set()
+            return
+        self.reports[sender] = self._check_report(header.get("hashes"))
+        self.reports_in[sender].set()
+
+    def on_digest(self, sender: str, header: dict[str, Any]) -> None:
+        self._check_member(sender)
+        if "relay" in header:
+            self.digest_relays[sender] = self._check_relay(header["relay"], self._check_digest)
+            self.digest_relays_in[sender].set()
+            return
+        self.digests[sender] = self._check_digest(header.get("digest"))
+        self.digests_in[sender].set()
+
+    async def _relayed(
+        self,
+        method: str,
+        key: str,
+        mine: Any,
+        held: dict[str, Any],
+        held_in: dict[str, asyncio.Event],
+        relays: dict[str, dict[str, Any]],
+        relays_in: dict[str, asyncio.Event],
+        deadlines: tuple[float, float],
+    ) -> dict[str, Any]:
+        """Two steps of exchange; returns the merged view every decision of this phase is made from.
+
+        Step 1: send ``mine`` to every member and wait for theirs. Step 2: relay everything I hold (mine and
+        what arrived) to every member and wait for their relays. The view is what I relayed plus every relay
+        that came in: a value that reached some survivors before its sender died reaches the others through
+        them, so every survivor decides from the same view unless a second member dies within the relay step.
+        What arrives directly after I relayed is not in my view (it would be in no one else's).
+        """
+        held[self.me] = mine
+        await self._exchange(method, {key: mine}, held_in, deadlines[0])
+        view = dict(held)
+        await self._exchange(method, {"relay": self._pack_relay(view)}, relays_in, deadlines[1])
+        for relay in list(relays.values()):
+            for peer, value in relay.items():
+                view.setdefault(peer, value)
+        return view
+
+    async def _agree(self, hashes: list[str | None]) -> list[bool]:
+        """Exchange and relay reports of what I hold (one hash or None per member's slot) and return, per slot,
+        whether every report in the merged view holds it with the same hash: only those slots are applied.
+
+        Two members' reports are needed: with mine alone I cannot know what anyone else holds or applies.
+        """
+        self.view = await self._relayed(
+            "report", "hashes", hashes, self.reports, self.reports_in, self.report_relays, self.report_relays_in,
+            (self.report_deadline, self.relay_deadline),
+        )  # fmt: skip
+        reports = list(self.view.values())
+        return [
+            len(reports) >= 2 and reports[0][j] is not None and all(rep[j] == reports[0][j] for rep in reports)
+            for j in range(self.group.size)
+        ]
+
+    async def _stream(
+        self, peer: str, method: str, header: dict[str, Any], frames: AsyncIterator[bytes], count: int, deadline: float
+    ) -> bool:
+        """Stream ``count`` frames to ``peer`` on one stream; False if it broke or ran out of time.
+
+        A stream that breaks is not proof of death (under load its answer can be cut after every frame went
+        through): the peer is pinged from then on and counted gone only if the pings fail too.
+        """
+        timeout = deadline - asyncio.get_running_loop().time()
+        try:
+            await self.transport.call_stream(peer, method, header, frames, count=count, timeout=max(timeout, 0.01))
+            return True
+        except PeerUnreachable as exc:
+            log.info("%s; pinging %s", exc, peer[-8:])
+            self.liveness.watch(peer)
+        except RpcTimeout as exc:
+            self.liveness.mark_dead(peer, str(exc))
+        except RemoteError as exc:
+            self._refused(peer, exc)
+        return False
+
+    async def _exchange(
+        self, method: str, payload: dict[str, Any], inbox: dict[str, asyncio.Event], deadline: float
+    ) -> None:
+        """Send my report or digest to every member and wait for theirs from the members still live.
+
+        Members I count as gone get mine too, without waiting on them: one I gave up on wrongly (a broken
+        stream under load) would otherwise wait for it until the deadline, and hold the round's reports in a
+        different view than everyone else.
+        """
+        header = {**self.header, **payload}
+        others = [p for p in self.group.members if p != self.me]
+        loop = asyncio.get_running_loop()
+        sends = {}
+        for peer in others:
+            gone = peer in self.liveness.dead
+            until = min(deadline, loop.time() + GONE_SEND_S) if gone else deadline
+            sends[peer] = asyncio.ensure_future(self._send_small(peer, method, header, until))
+        for peer in others:
+            if peer not in self.liveness.dead:
+                await wait_or_dead(inbox[peer], self.liveness.watch(peer), deadline)
+        for peer, task in sends.items():  # what I send to members gone by now finishes in the background
+            if peer in self.liveness.dead:
+                self._background.add(task)
+                task.add_done_callback(self._background.discard)
+        await asyncio.gather(*(t for t in sends.values() if t not in self._background))
+
+    async def _send_small(self, peer: str, method: str, header: dict[str, Any], deadline: float) -> None:
+        """Send a report or digest; a broken stream is retried (the peer would otherwise wait for it until the
+        deadline), a peer that still cannot be reached is marked dead."""
+        loop = asyncio.get_running_loop()
+        for attempt in range(SMALL_ATTEMPTS):
+            try:
+                await self.transport.call(peer, method, header, timeout=max(deadline - loop.time(), 0.01))
+                return
+            except PeerUnreachable as exc:
+                if attempt + 1 == SMALL_ATTEMPTS or deadline - loop.time() < 2 * RETRY_PAUSE:
+                    self.liveness.mark_dead(peer, str(exc))
+                    return
+                await asyncio.sleep(RETRY_PAUSE)
+            except RpcTimeout as exc:
+                self.liveness.mark_dead(peer, str(exc))
+                return
+            except RemoteError as exc:
+                self._refused(peer, exc)
+                return
+
+    def _refused(self, peer: str, exc: RemoteError) -> None:
+        log.warning("%s", exc)
+        if exc.code == "no-group":  # it never heard of this group (it gave up joining): do not wait for it
+            self.liveness.mark_dead(peer, "not in this group")
+
+    async def exchange_digests(self, digest: str, floor_s: float) -> dict[str, str]:
+        """Send and relay my state digest; return the merged view of the group's digests (member -> digest).
+
+        It runs until the exchange's deadline, or ``floor_s`` from now if that is later: a member that reaches it
+        late (a long outer step) still has time to be heard instead of marking everyone dead at once.
+        """
+        loop = asyncio.get_running_loop()
+        self.deadline = max(self.deadline, loop.time() + floor_s)
+        half = loop.time() + 0.5 * (self.deadline - loop.time())
+        try:
+            return await self._relayed(
+                "digest", "digest", digest, self.digests, self.digests_in, self.digest_relays, self.digest_relays_in,
+                (half, self.deadline),
+            )  # fmt: skip
+        finally:
+            self.liveness.close()
+
+
+def digest_vote(view: dict[str, str]) -> str:
+    """The digest most members in ``view`` hold (ties: the smallest)."""
+    counts = Counter(view.values())
+    best = max(counts.values())
+    return min(d for d, c in counts.items() if c == best)

@@ -1,0 +1,370 @@
+"""A seeded fault simulator for the round protocol (in the spirit of FoundationDB's and TigerBeetle's simulation
+testing): real ``Averager``s over the in-memory network, on a virtual clock, with faults at message boundaries.
+
+Each seed draws a group of 2-8 members, token weights (some 0), a codec (dense, quantised or sparse), an outer
+optimizer, a few rounds (plain, or mixed: members start from different theta_g), and per round a schedule of
+faults keyed by (sender, method, n-th call): a stream reset before or after delivery, a delay (also past the
+deadline), a member killed or frozen (its messages stall until it resumes), a duplicated or a late message. At most
+one failure per round (a member killed or frozen, or one message slower than the deadline, which makes its sender
+count the receiver gone): one relay step of reports and digests tolerates one failure (see ``exchange``); more
+are caught by the digest vote (the minority resyncs), not prevented. After every round it checks:
+
+(a) members that confirmed the round (and those that resynced) hold identical bytes, where they should;
+(b) every member leaves the round within its bound (``Averager.budget_s``);
+(c) no member that confirmed the round applied a slot (shard or payload) another one fell back on;
+(d) with a dense codec and no momentum, theta_g is unchanged where the round fell back (and with fp32 the member's
+    residual holds all it contributed there), and with fp32 it is the token-weighted average of a set of
+    contributions where it applied.
+
+Replay one seed (prints every violation; ``--log INFO`` shows the members' logs):
+``python -m swarmtrain.averaging.sim --seed 17 --rounds 2``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import logging
+import random
+import selectors
+import sys
+from collections import Counter
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from swarmtrain.averaging.averager import DIGEST_SHARE, Averager, RoundOutcome
+from swarmtrain.compression import get_codec
+from swarmtrain.net import MemoryNetwork, PeerUnreachable, RpcTimeout
+
+CODECS = ("fp32", "fp16", "int8", "int4", "topk:frac=0.25", "dct-topk:chunk=16,k=4", "powersgd:rank=1")
+FAULT_METHODS = ("parts", "results", "results", "report", "report", "report", "digest", "ping")
+KINDS = ("reset", "reset-after", "delay", "late-delay", "duplicate", "late", "kill", "freeze")
+GATHER_S = 1.0
+
+
+class Deadlock(RuntimeError):
+    """Nothing is ready and no timer is set: some await has no deadline."""
+
+
+class _IdleSelector(selectors.SelectSelector):
+    """No real I/O: waiting for ``timeout`` seconds moves the virtual clock instead of sleeping."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.now = 0.0
+
+    def select(self, timeout: float | None = None) -> list[Any]:
+        if timeout is None:
+            raise Deadlock("nothing ready and no timer set: an await without a deadline")
+        self.now += max(timeout, 0.0)
+        return []
+
+
+class VirtualClockLoop(asyncio.SelectorEventLoop):
+    """An event loop whose ``time()`` jumps to the next timer when nothing is ready: timeouts cost no wall time."""
+
+    def __init__(self) -> None:
+        self._idle = _IdleSelector()
+        super().__init__(self._idle)
+
+    def time(self) -> float:
+        return self._idle.now
+
+
+@dataclass
+class Fault:
+    kind: str
+    src: str
+    method: str
+    nth: int  # the n-th call of ``method`` by ``src`` in this round (0-based)
+    seconds: float = 0.0
+
+
+@dataclass
+class Faults:
+    """This round's schedule, applied by wrapping every member's transport."""
+
+    net: MemoryNetwork
+    plan: list[Fault] = field(default_factory=list)
+    calls: dict[tuple[str, str], int] = field(default_factory=dict)
+    frozen: dict[str, float] = field(default_factory=dict)  # member -> virtual time it resumes
+    fired: list[str] = field(default_factory=list)
+
+    def new_round(self, plan: list[Fault]) -> None:
+        self.plan, self.calls, self.frozen, self.fired = plan, {}, {}, []
+
+    async def _wait_thawed(self, peers: tuple[str, str], timeout: float) -> None:
+        loop = asyncio.get_running_loop()
+        until = max((self.frozen.get(p, 0.0) for p in peers), default=0.0)
+        if until > loop.time():
+            if until - loop.time() > timeout:
+                await asyncio.sleep(timeout)
+                raise RpcTimeout(f"{peers[1]} is frozen")
+            await asyncio.sleep(until - loop.time())
+
+    def wrap(self, transport: Any) -> None:
+        original = transport.call_stream
+        src = transport.peer_id
+
+        async def call_stream(
+            peer: str, method: str, header: dict[str, Any], frames: AsyncIterator[bytes], *, count: int, timeout: float
+        ) -> tuple[dict[str, Any], bytes]:
+            n = self.calls.get((src, method), 0)
+            self.calls[(src, method)] = n + 1
+            fault = next((f for f in self.plan if (f.src, f.method, f.nth) == (src, method, n)), None)
+            await self._wait_thawed((src, peer), timeout)
+            if fault is None:
+                return await original(peer, method, header, frames, count=count, timeout=timeout)
+            self.fired.append(f"{fault.kind} {src}->{peer} {method}#{n}")
+            if fault.kind == "kill":
+                self.net.kill(src)
+                raise PeerUnreachable(f"{method} to {peer}: killed")
+            if fault.kind == "freeze":
+                self.frozen[src] = asyncio.get_running_loop().time() + fault.seconds
+                await self._wait_thawed((src, peer), timeout)
+            if fault.kind == "reset":
+                raise PeerUnreachable(f"{method} to {peer}: stream reset")
+            if fault.kind in ("delay", "late-delay"):  # the link is slow: the delay counts against the timeout
+                await asyncio.sleep(min(fault.seconds, timeout))
+                if fault.seconds >= timeout:
+                    raise RpcTimeout(f"{method} to {peer} timed out (delayed {fault.seconds:.2f} s)")
+                timeout -= fault.seconds
+            answer = await original(peer, method, header, frames, count=count, timeout=timeout)
+            if fault.kind == "reset-after":
+                raise PeerUnreachable(f"{method} to {peer}: stream reset after delivery")
+            if fault.kind in ("duplicate", "late") and count == 1:
+                body = b""  # reports, digests and pings carry everything in the header
+
+                async def again() -> None:
+                    await asyncio.sleep(fault.seconds if fault.kind == "late" else 0.0)
+                    try:
+                        await original(peer, method, header, _one(body), count=1, timeout=timeout)
+                    except Exception:  # noqa: BLE001 - a copy the receiver refuses is what we want to see
+                        pass
+
+                asyncio.ensure_future(again())
+            return answer
+
+        transport.call_stream = call_stream
+
+
+async def _one(body: bytes) -> AsyncIterator[bytes]:
+    yield body
+
+
+def draw_faults(rng: random.Random, members: list[str], budget: float) -> list[Fault]:
+    plan: list[Fault] = []
+    failed = False  # at most one failure per round: a member killed or frozen, or one link slower than the deadline
+    for _ in range(rng.randint(0, 6)):
+        kind = rng.choice(KINDS)
+        if kind in ("kill", "freeze", "late-delay"):
+            if failed:
+                continue
+            failed = True
+        method = rng.choice(FAULT_METHODS)
+        seconds = {"delay": rng.uniform(0, 0.3 * budget), "late-delay": rng.uniform(budget, 2 * budget)}.get(
+            kind, rng.uniform(0.5, 2 * budget)
+        )
+        plan.append(Fault(kind, rng.choice(members), method, rng.randrange(len(members) + 1), seconds))
+    return plan
+
+
+@dataclass
+class Member:
+    averager: Averager
+    alive: bool = True
+    out: bool = False  # diverged: it would catch up from the swarm before its next round
+
+
+def _residual(averager: Averager) -> torch.Tensor:
+    return averager.residual if averager.residual is not None else torch.zeros_like(averager.outer.theta)
+
+
+def _subset_average(deltas: list[torch.Tensor], weights: list[float], target: torch.Tensor) -> bool:
+    """Whether ``target`` is the token-weighted average of some set of the contributions (fp32: exact sums)."""
+    contributors = [i for i, w in enumerate(weights) if w > 0]
+    for size in range(1, len(contributors) + 1):
+        for subset in itertools.combinations(contributors, size):
+            total = sum(weights[i] for i in subset)
+            average = sum(deltas[i] * (weights[i] / total) for i in subset)
+            if torch.allclose(average, target, rtol=1e-5, atol=1e-6):
+                return True
+    return False
+
+
+async def simulate(seed: int, rounds: int = 2) -> list[str]:
+    """Run one seed; return its violations (empty: the protocol held)."""
+    rng = random.Random(seed)
+    torch.manual_seed(seed)
+    n = rng.randint(2, 8)
+    numel = rng.choice([24, 61, 200])
+    codec = rng.choice(CODECS)
+    lr, momentum = rng.choice([(1.0, 0.0), (0.7, 0.9)])
+    part_numel = rng.choice([16, 64, 1000])
+    net = MemoryNetwork()
+    faults = Faults(net)
+    members = []
+    for i in range(n):
+        transport = net.transport(f"peer{i}")
+        faults.wrap(transport)
+        averager = Averager(
+            transport, torch.zeros(numel), run_id="sim", group_size=16, outer_lr=lr, outer_momentum=momentum,
+            codec_up=get_codec(codec), codec_down=get_codec(codec), part_numel=part_numel,
+            min_deadline=1.0, deadline_factor=4.0,
+        )  # fmt: skip
+        await averager.start()
+        members.append(Member(averager))
+    violations: list[str] = []
+    setup = f"seed {seed}: {n} members, numel {numel} in parts of {part_numel}, {codec}, lr {lr}, momentum {momentum}"
+    for round_ in range(rounds):
+        live = [m for m in members if m.alive and not m.out]
+        if len(live) < 2:
+            break
+        if rng.random() < 0.4:  # gossip: some members come from another group of the last round
+            for m in rng.sample(live, rng.randint(1, len(live))):
+                m.averager.outer.theta.add_(torch.randn(numel))
+        peers = [m.averager.me for m in live]
+        weights = [rng.choice([0.0, 1.0, 2.0, 5.0, 100.0]) for _ in live]
+        deltas = [torch.randn(numel) for _ in live]
+        before = [(m.averager.outer.theta.clone(), _residual(m.averager).clone()) for m in live]
+        own = [m.averager.deadline_s() for m in live]
+        faults.new_round(draw_faults(rng, peers, 3.0))
+        runs = [
+            m.averager.run_round(d.clone(), w, peers, set(peers), gather_timeout=GATHER_S)
+            for m, d, w in zip(live, deltas, weights, strict=True)
+        ]
+        outcomes = await asyncio.gather(*runs, return_exceptions=True)
+        context = f"{setup}; round {round_}: weights {weights}; faults {faults.fired}"
+        for m in live:
+            m.alive = m.averager.me not in net.dead
+        found = _check(live, outcomes, weights, deltas, before, own, codec, momentum, set(faults.frozen))
+        violations += [f"{context}: {v}" for v in found]
+        for m, o in zip(live, outcomes, strict=True):
+            if isinstance(o, RoundOutcome) and o.outcome == "diverged":
+                m.out = True
+        await asyncio.sleep(0)
+    return violations
+
+
+def _check(
+    live: list[Member],
+    outcomes: list[Any],
+    weights: list[float],
+    deltas: list[torch.Tensor],
+    before: list[tuple[torch.Tensor, torch.Tensor]],
+    own: list[float],
+    codec: str,
+    momentum: float,
+    frozen: set[str],
+) -> list[str]:
+    found = []
+    survivors = [(i, m, o) for i, (m, o) in enumerate(zip(live, outcomes, strict=True)) if m.alive]
+    for _, m, o in survivors:
+        if not isinstance(o, RoundOutcome):
+            found.append(f"{m.averager.me} raised {o!r}")
+    survivors = [(i, m, o) for i, m, o in survivors if isinstance(o, RoundOutcome)]
+    # (b) every survivor leaves within its bound
+    for i, m, o in survivors:
+        budget = min(o.group.deadline_s or own[i], m.averager.deadline_factor * own[i])
+        bound = GATHER_S + budget + ((2 if o.group.mixed else 1) + DIGEST_SHARE + 1) * budget + 0.5
+        if o.duration_s > bound:
+            found.append(f"(b) {m.averager.me} took {o.duration_s:.2f} s, bound {bound:.2f} s ({o.phases})")
+    confirmed = [(i, m, o) for i, m, o in survivors if o.outcome in ("applied", "fallback") and o.group.size > 1]
+    # (c) one decision per slot, and on whether to mix, among the correct members (not frozen this round) that
+    # heard others' reports, whatever their digest vote said afterwards; and a frozen member that confirmed a
+    # state no other member holds must not have decided apart either. (A member that heard no one decides alone
+    # and knows it: it counts itself diverged.)
+    held = Counter(o.digest for _, _, o in survivors)
+    deciders = [
+        (m, o)
+        for _, m, o in survivors
+        if o.group.size > 1
+        and (
+            (m.averager.me not in frozen and not o.alone)
+            or (o.outcome in ("applied", "fallback") and held[o.digest] == 1)
+        )
+    ]
+    decisions = {(o.group.group_id, o.decisions, o.mixed) for _, o in deciders}
+    if len({d[0] for d in decisions}) < len(decisions):
+        seen = [(m.averager.me, o.decisions, o.mixed) for m, o in deciders]
+        found.append(f"(c) members decided differently (member, slots applied, mixed): {seen}")
+    # (a) identical bytes where the round leaves members identical (not a gossip round that did not mix)
+    same = [(m, o) for _, m, o in survivors if o.outcome in ("applied", "fallback", "diverged-resynced")]
+    by_group: dict[str, set[str]] = {}
+    for m, o in same:
+        if not o.group.mixed or o.mixed:
+            by_group.setdefault(o.group.group_id, set()).add(m.averager.outer.digest())
+    for group_id, digests in by_group.items():
+        if len(digests) > 1:
+            found.append(f"(a) group {group_id} holds {len(digests)} different states after the round")
+    # (d) the applied bytes: plain rounds, dense codecs, no momentum
+    dense = not get_codec(codec).sparse
+    for i, m, o in confirmed:
+        if o.group.mixed or not dense or momentum:
+            continue
+        theta = m.averager.outer.theta
+        order = [next(j for j, mm in enumerate(live) if mm.averager.me == p) for p in o.group.members]
+        for j, (s, e) in enumerate(o.group.shard_bounds(theta.numel())):
+            change = before[i][0][s:e] - theta[s:e]
+            if not o.decisions[j]:
+                if not torch.equal(theta[s:e], before[i][0][s:e]):
+                    found.append(f"(d) {m.averager.me}: shard {j} fell back but theta_g changed there")
+                owed = before[i][1][s:e] + (deltas[i][s:e] if weights[i] > 0 else 0)
+                if codec == "fp32" and not torch.allclose(_residual(m.averager)[s:e], owed, rtol=1e-5, atol=1e-6):
+                    found.append(f"(d) {m.averager.me}: shard {j} fell back but its residual lost or doubled it")
+            elif codec == "fp32" and not _subset_average(
+                [deltas[k][s:e] + before[k][1][s:e] for k in order], [weights[k] for k in order], change
+            ):
+                found.append(f"(d) {m.averager.me}: shard {j} is not a weighted average of contributions")
+    return found
+
+
+def run_seed(seed: int, rounds: int = 2, quiet: bool = True) -> list[str]:
+    """Run one seed on a fresh virtual-clock loop; the members' logs are silenced unless ``quiet`` is False."""
+    loop = VirtualClockLoop()
+    logger = logging.getLogger("swarmtrain")
+    level = logger.level
+    if quiet:
+        logger.setLevel(logging.CRITICAL)
+    try:
+        return loop.run_until_complete(simulate(seed, rounds))
+    except Deadlock as exc:
+        return [f"seed {seed}: {exc}"]
+    finally:
+        pending = asyncio.all_tasks(loop)
+        for task in pending:
+            task.cancel()
+        if pending:
+            loop.run_until_complete(asyncio.wait(pending))
+        loop.close()
+        logger.setLevel(level)
+
+
+def replay_command(seed: int, rounds: int = 2) -> str:
+    return f"python -m swarmtrain.averaging.sim --seed {seed} --rounds {rounds}"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--seed", type=int, required=True, help="the first seed to run")
+    parser.add_argument("--count", type=int, default=1, help="how many seeds from --seed")
+    parser.add_argument("--rounds", type=int, default=2, help="rounds per seed")
+    parser.add_argument("--log", default="CRITICAL", help="log level of the members (INFO shows the round)")
+    args = parser.parse_args()
+    logging.basicConfig(level=args.log, format="%(asctime)s %(name)s %(message)s")
+    failed = 0
+    for seed in range(args.seed, args.seed + args.count):
+        violations = run_seed(seed, args.rounds, quiet=args.log == "CRITICAL")
+        failed += bool(violations)
+        for v in violations:
+            print(v)
+    print(f"{args.count} seeds, {failed} with violations")
+    sys.exit(1 if failed else 0)
+
+
+if __name__ == "__main__":
+    main()

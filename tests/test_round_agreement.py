@@ -1,0 +1,201 @@
+"""Round agreement under faults, honest peers only: every apply/fallback decision (per shard, whether a gossip
+round mixes, the digest vote) is made from data every surviving member ends up holding identically.
+
+Each test is one interleaving found by review (issue 10) on the in-memory transport; each failed on 15d95af.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from swarmtrain.averaging import Averager
+from swarmtrain.compression import get_codec
+from swarmtrain.net import MemoryNetwork, PeerUnreachable
+
+NUMEL = 3_000
+
+
+def make_swarm(thetas: list[torch.Tensor], *, part_numel: int = 500):
+    net = MemoryNetwork()
+    averagers = [
+        Averager(
+            net.transport(f"peer{i}"), theta.clone(), run_id="test", group_size=16, outer_lr=1.0, outer_momentum=0.0,
+            codec_up=get_codec("fp32"), codec_down=get_codec("fp32"), part_numel=part_numel,
+            min_deadline=1.0, deadline_factor=4.0,
+        )
+        for i, theta in enumerate(thetas)
+    ]  # fmt: skip
+    return net, averagers
+
+
+async def run_round(averagers, deltas, weights):
+    peers = [a.me for a in averagers]
+    return await asyncio.gather(
+        *(
+            a.run_round(d, w, peers, set(peers), gather_timeout=2.0)
+            for a, d, w in zip(averagers, deltas, weights, strict=True)
+        ),
+        return_exceptions=True,
+    )
+
+
+def state_route(header: dict) -> bool:
+    return str(header.get("group", "")).endswith("/state")
+
+
+async def test_an_observer_that_lost_its_only_contributor_never_zeroes_theta() -> None:
+    """Scenario 1: a mixed round of two, peer0 observes (weight 0); peer1's parts of the state exchange to peer0
+    break once. peer0's shard of the state has no contributor: it must fall back, not average nothing into 0."""
+    thetas = [torch.full((NUMEL,), 5.0), torch.full((NUMEL,), 7.0)]
+    net, averagers = make_swarm(thetas)
+    for a in averagers:
+        await a.start()
+    broken = []
+
+    def break_once(src: str, dst: str, method: str, header: dict) -> None:
+        if (src, dst, method) == ("peer1", "peer0", "parts") and state_route(header) and not broken:
+            broken.append(header["group"])
+            raise PeerUnreachable("stream reset")
+
+    net.before_call = break_once
+    delta = torch.randn(NUMEL)
+    outcomes = await run_round(averagers, [torch.zeros(NUMEL), delta], [0.0, 1.0])
+    assert broken, "the fault never fired"
+    assert all(o.group.mixed for o in outcomes)
+    # Both members decide alike: the state is not mixed (a shard of it had no contributor), the update is applied.
+    assert [o.outcome for o in outcomes] == ["fallback", "fallback"], outcomes
+    for a, theta in zip(averagers, thetas, strict=True):
+        torch.testing.assert_close(a.outer.theta, theta - delta, msg=f"{a.me}: theta_g is not its own minus delta")
+        assert not a.needs_catch_up
+
+
+async def test_whether_a_gossip_round_mixes_does_not_depend_on_who_saw_a_peer_die() -> None:
+    """Scenario 2: mixed round of three; peer1's report to peer0 in the state exchange is slow, peer2 dies just
+    after the state exchange. peer0's pings see peer2 die, peer1 does not: both must still mix alike."""
+    torch.manual_seed(1)
+    thetas = [torch.randn(NUMEL) for _ in range(3)]
+    net, averagers = make_swarm(thetas)
+    for a in averagers:
+        await a.start()
+    transport = averagers[1].transport
+    original = transport.call_stream
+    slowed = []
+
+    async def slow_state_report(peer, method, header, frames, *, count, timeout):
+        if (peer, method) == ("peer0", "report") and state_route(header) and not slowed:
+            slowed.append(peer)
+            await asyncio.sleep(2.0)
+        return await original(peer, method, header, frames, count=count, timeout=timeout)
+
+    transport.call_stream = slow_state_report
+
+    def kill_after_state_exchange(src: str, dst: str, method: str, header: dict) -> None:
+        if src == "peer2" and method == "parts" and "group" in header and not state_route(header):
+            net.kill("peer2")
+            raise PeerUnreachable("killed")
+
+    net.before_call = kill_after_state_exchange
+    deltas = [torch.randn(NUMEL) for _ in range(3)]
+    weights = [1.0, 3.0, 2.0]
+    outcomes = await run_round(averagers, deltas, weights)
+    assert slowed and "peer2" in net.dead
+    survivors = outcomes[:2]
+    assert all(o.group.mixed and o.group.size == 3 for o in survivors)
+    assert survivors[0].digest == survivors[1].digest, [o.outcome for o in survivors]
+    assert [o.outcome for o in survivors] == ["fallback", "fallback"]
+    # theta_g: the weighted mix of the three states, minus the average of the two updates that arrived; the dead
+    # reducer's shard (the last third) gets no update on either member.
+    mix = sum(w * t for w, t in zip(weights, thetas, strict=True)) / sum(weights)
+    update = (weights[0] * deltas[0] + weights[1] * deltas[1]) / (weights[0] + weights[1])
+    update[2 * NUMEL // 3 :] = 0
+    for a in averagers[:2]:
+        torch.testing.assert_close(a.outer.theta, mix - update)
+
+
+async def test_a_report_that_reached_only_one_survivor_is_relayed_to_the_other() -> None:
+    """Scenario 3: plain round of three. peer0's results stream to peer2 breaks, so peer2 reports shard 0
+    missing; peer2 delivers that report to peer0 and dies before reaching peer1. Both survivors fall back alike."""
+    net, averagers = make_swarm([torch.zeros(NUMEL) for _ in range(3)])
+    for a in averagers:
+        await a.start()
+
+    def faults(src: str, dst: str, method: str, header: dict) -> None:
+        if (src, dst, method) == ("peer0", "peer2", "results"):
+            raise PeerUnreachable("stream reset")
+        if (src, dst, method) == ("peer2", "peer1", "report"):
+            net.kill("peer2")
+            raise PeerUnreachable("killed")
+
+    net.before_call = faults
+    deltas = [torch.randn(NUMEL) for _ in range(3)]
+    outcomes = await run_round(averagers, deltas, [1.0] * 3)
+    assert "peer2" in net.dead
+    survivors = outcomes[:2]
+    assert survivors[0].digest == survivors[1].digest, [o.outcome for o in survivors]
+    assert [o.outcome for o in survivors] == ["fallback", "fallback"]
+    expected = -sum(deltas) / 3
+    expected[: NUMEL // 3] = 0  # shard 0: the agreed fallback, no update
+    for a in averagers[:2]:
+        torch.testing.assert_close(a.outer.theta, expected)
+        assert not a.needs_catch_up
+
+
+async def test_two_identical_survivors_of_four_confirm_each_other() -> None:
+    """Half the group dies before the digest exchange: the two survivors hold the same state and say so."""
+    net, averagers = make_swarm([torch.zeros(NUMEL) for _ in range(4)])
+    for a in averagers:
+        await a.start()
+
+    def die_before_digest(src: str, dst: str, method: str, header: dict) -> None:
+        if src in ("peer2", "peer3") and method == "digest":
+            net.kill(src)
+            raise PeerUnreachable("killed")
+
+    net.before_call = die_before_digest
+    deltas = [torch.randn(NUMEL) for _ in range(4)]
+    outcomes = await run_round(averagers, deltas, [1.0] * 4)
+    assert {"peer2", "peer3"} <= net.dead
+    survivors = outcomes[:2]
+    assert survivors[0].digest == survivors[1].digest
+    assert [o.outcome for o in survivors] == ["applied", "applied"]
+    assert not any(a.needs_catch_up for a in averagers[:2])
+    torch.testing.assert_close(averagers[0].outer.theta, -sum(deltas) / 4)
+
+
+@pytest.mark.parametrize("codec", ["fp32", "int8"])
+async def test_what_a_shard_that_fell_back_carried_goes_back_into_the_residual_once(codec: str) -> None:
+    """Nothing lost, nothing twice: a reducer dies after the others sent it their parts; its shard falls back
+    everywhere, and each survivor keeps what it sent there for the next round (and nothing more elsewhere)."""
+    net = MemoryNetwork()
+    averagers = [
+        Averager(
+            net.transport(f"peer{i}"), torch.zeros(NUMEL), run_id="test", group_size=16, outer_lr=1.0,
+            outer_momentum=0.0, codec_up=get_codec(codec), codec_down=get_codec(codec), part_numel=500,
+            min_deadline=1.0, deadline_factor=4.0,
+        )
+        for i in range(3)
+    ]  # fmt: skip
+    for a in averagers:
+        await a.start()
+
+    def die_before_results(src: str, dst: str, method: str, header: dict) -> None:
+        if src == "peer2" and method == "results":
+            net.kill("peer2")
+            raise PeerUnreachable("killed")
+
+    net.before_call = die_before_results
+    deltas = [torch.randn(NUMEL) for _ in range(3)]
+    outcomes = await run_round(averagers, deltas, [1.0] * 3)
+    assert [o.outcome for o in outcomes[:2]] == ["fallback", "fallback"]
+    shard = slice(2 * NUMEL // 3, NUMEL)
+    for a, delta in zip(averagers[:2], deltas[:2], strict=True):
+        assert a.residual is not None
+        # The fallen-back shard: all of the update waits in the residual (what was sent plus what the codec kept).
+        torch.testing.assert_close(a.residual[shard], delta[shard])
+        if codec == "fp32":  # lossless: nothing else is owed
+            assert torch.count_nonzero(a.residual[: 2 * NUMEL // 3]) == 0
+        # And theta_g got nothing of it there.
+        assert torch.count_nonzero(a.outer.theta[shard]) == 0
