@@ -111,14 +111,21 @@ class Faults:
         src = transport.peer_id
 
         async def call_stream(
-            peer: str, method: str, header: dict[str, Any], frames: AsyncIterator[bytes], *, count: int, timeout: float
+            peer: str,
+            method: str,
+            header: dict[str, Any],
+            frames: AsyncIterator[bytes],
+            *,
+            count: int,
+            timeout: float,
+            **bounds: Any,  # max_reply, passed on as given
         ) -> tuple[dict[str, Any], bytes]:
             n = self.calls.get((src, method), 0)
             self.calls[(src, method)] = n + 1
             fault = next((f for f in self.plan if (f.src, f.method, f.nth) == (src, method, n)), None)
             await self._wait_thawed((src, peer), timeout)
             if fault is None:
-                return await original(peer, method, header, frames, count=count, timeout=timeout)
+                return await original(peer, method, header, frames, count=count, timeout=timeout, **bounds)
             self.fired.append(f"{fault.kind} {src}->{peer} {method}#{n}")
             if fault.kind == "kill":
                 self.net.kill(src)
@@ -133,7 +140,7 @@ class Faults:
                 if fault.seconds >= timeout:
                     raise RpcTimeout(f"{method} to {peer} timed out (delayed {fault.seconds:.2f} s)")
                 timeout -= fault.seconds
-            answer = await original(peer, method, header, frames, count=count, timeout=timeout)
+            answer = await original(peer, method, header, frames, count=count, timeout=timeout, **bounds)
             if fault.kind == "reset-after":
                 raise PeerUnreachable(f"{method} to {peer}: stream reset after delivery")
             if fault.kind in ("duplicate", "late") and count == 1:
@@ -142,7 +149,7 @@ class Faults:
                 async def again() -> None:
                     await asyncio.sleep(fault.seconds if fault.kind == "late" else 0.0)
                     try:
-                        await original(peer, method, header, _one(body), count=1, timeout=timeout)
+                        await original(peer, method, header, _one(body), count=1, timeout=timeout, **bounds)
                     except Exception:  # noqa: BLE001 - a copy the receiver refuses is what we want to see
                         pass
 
