@@ -104,6 +104,9 @@ class TrainConfig(_Section):
     precision: Literal["fp32", "bf16"] = "fp32"
     """Compute precision of the standard trainer's forward and backward passes (bf16: autocast); weights,
     optimizer state and the updates a node sends stay fp32, so nodes of either precision average together."""
+    device: str = Field("auto", pattern=r"^(auto|cpu|cuda|cuda:\d+|mps)$")
+    """Device of the standard trainer: auto (cuda if present, then mps, else cpu), cpu, cuda, cuda:N or mps.
+    theta_g, the outer step and the codecs stay on the CPU in fp32 whatever this is."""
 
 
 LocalTrainMethod = Literal["global-bp", "live-local", "broadcast-serial", "broadcast-async", "rgc-serial", "rgc-async"]
@@ -146,7 +149,12 @@ class NodeConfig(_Section):
     allow_peers: list[str] = Field(default_factory=list, max_length=10_000)
     """Peer ids allowed in a private swarm (empty: any holder of node.swarm_key, or anyone in a public swarm)."""
     inner_steps: int = Field(50, ge=1)
-    """H: inner AdamW steps between two outer steps."""
+    """H: inner AdamW steps between two outer steps (unless node.inner_time_s is set)."""
+    inner_time_s: float = Field(0.0, ge=0.0)
+    """Rounds by time: train this many seconds per round (at least one step) and contribute the tokens done,
+    so fast and slow nodes share rounds without waiting; 0 means node.inner_steps steps per round."""
+    test_step_delay_s: float = Field(0.0, ge=0.0)
+    """For tests only: sleep this long after each inner step, to simulate a slow machine. 0 (the default)."""
     rounds: int = Field(0, ge=0)
     """Stop after this many outer rounds; 0 means run until Ctrl+C (or train.max_time)."""
     min_peers: int = Field(1, ge=1)
@@ -243,6 +251,19 @@ class Config(_Section):
     @model_validator(mode="after")
     def _check_trainer(self) -> Config:
         if self.train.trainer == "localtrain":
+            if self.train.device not in ("auto", "cpu"):
+                # An error, not a warning: a user who names a GPU expects it used, and a node that quietly runs
+                # at CPU speed is the surprise this setting exists to remove.
+                raise ValueError(
+                    f"train.trainer = localtrain runs its stages on the CPU only, but train.device = "
+                    f"{self.train.device!r}: set train.device = cpu (or auto), or train.trainer = standard to "
+                    "train on that device"
+                )
+            if self.node.inner_time_s > 0:
+                raise ValueError(
+                    "node.inner_time_s needs train.trainer = standard: localtrain's pipeline fixes a round's steps "
+                    "when the round starts; set node.inner_steps instead"
+                )
             # Imported here: swarmtrain.localtrain.config imports this module.
             from swarmtrain.localtrain.config import check_node_config
 

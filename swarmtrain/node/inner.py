@@ -7,7 +7,10 @@
 The node only moves flat parameter vectors in and out (``vector``, ``load_vector``), in the order of
 ``ByteTransformer(config.model).parameters()``: both trainers hold the same parameters when their model configs
 match (the config check makes localtrain's stage-boundary exits part of ``model.exits``), so nodes with either
-trainer average together. ``run`` executes one round's H steps (in a worker thread); ``stop`` makes a running
+trainer average together. Those vectors are fp32 on the CPU whatever ``train.device`` the standard trainer
+computes on: the parameters cross between device and CPU twice a round (in after the outer step, out before it),
+and everything the swarm agrees on stays on the CPU. ``run`` executes one round's H steps, or the steps that fit
+in ``node.inner_time_s`` (in a worker thread); ``stop`` makes a running
 ``run`` return after its current step and waits for it, so Ctrl+C or an error never tears resources down under
 a running step; ``close`` stops and then releases the stage processes and shared memory.
 """
@@ -36,6 +39,8 @@ class InnerLoop(ABC):
 
     shapes: list[tuple[int, ...]]
     """Shape of each parameter, in the order of the flat vector."""
+    device: str = "cpu"
+    """Where the inner steps compute (``cpu``, ``cuda:0``, ``mps``)."""
 
     def __init__(self) -> None:
         self._stopping = threading.Event()
@@ -46,16 +51,20 @@ class InnerLoop(ABC):
     def tokens(self) -> int:
         """Tokens trained on so far."""
 
-    def run(self, steps: int) -> tuple[float, int, float]:
-        """``steps`` inner steps (fewer if stopped); returns the mean loss, the tokens and the seconds they took."""
+    def run(self, steps: int, time_s: float = 0.0, step_delay_s: float = 0.0) -> tuple[float, int, float]:
+        """``steps`` inner steps, or with ``time_s`` > 0 as many as start within ``time_s`` seconds (at least
+        one), fewer if stopped; returns the mean loss, the tokens and the seconds they took. ``step_delay_s``
+        sleeps after each step (``node.test_step_delay_s``: tests simulate a slow machine with it)."""
         with self._busy:
             started, tokens0, losses = time.perf_counter(), self.tokens, []
             if not self._stopping.is_set():
                 self._begin(steps)
-            for _ in range(steps):
-                if self._stopping.is_set():
+            while time_s > 0 or len(losses) < steps:
+                if self._stopping.is_set() or (losses and time_s > 0 and time.perf_counter() - started >= time_s):
                     break
                 losses.append(self._step())
+                if step_delay_s:
+                    time.sleep(step_delay_s)
             loss = sum(losses) / len(losses) if losses else float("nan")
             return loss, self.tokens - tokens0, time.perf_counter() - started
 
@@ -120,6 +129,8 @@ class StandardLoop(InnerLoop):
         super().__init__()
         self.trainer = Trainer(config, corpus, data_seed=data_seed)
         self.shapes = [tuple(p.shape) for p in self.trainer.model.parameters()]
+        self.device = str(self.trainer.device)
+        log.info("inner steps by the standard trainer on %s", self.device)
 
     @property
     def tokens(self) -> int:
@@ -129,11 +140,13 @@ class StandardLoop(InnerLoop):
         return self.trainer.train_step()
 
     def _vector(self) -> torch.Tensor:
-        return parameters_to_vector(self.trainer.model.parameters()).detach()
+        # One flat copy on the device, then one transfer: theta_g and the outer step stay on the CPU in fp32.
+        return parameters_to_vector(self.trainer.model.parameters()).detach().to("cpu", torch.float32, copy=True)
 
     def _load_vector(self, theta: torch.Tensor) -> None:
-        with torch.no_grad():
-            vector_to_parameters(theta.clone(), self.trainer.model.parameters())
+        with torch.no_grad():  # a copy on the device: the parameters become views of it
+            on_device = theta.detach().to(self.trainer.device, torch.float32, copy=True)
+            vector_to_parameters(on_device, self.trainer.model.parameters())
 
     def _evaluate(self) -> float:
         return self.trainer.evaluate()

@@ -35,6 +35,7 @@ from swarmtrain.net import P2PTransport, load_auth, serve_hello, verify_swarm
 from swarmtrain.node.inner import InnerLoop, build_inner_loop
 from swarmtrain.node.resume import open_run_dir, outer_state
 from swarmtrain.train import Checkpoint, configure_threads, save_checkpoint
+from swarmtrain.train.device import resolve_device
 
 log = logging.getLogger(__name__)
 
@@ -126,6 +127,8 @@ class Node:
         identity = Path(node.identity) if node.identity else self.run_dir / "identity.key"
         configure_threads(config.train.threads)
         auth = load_auth(node.swarm_key, node.allow_peers)  # a bad key file stops the node before it starts
+        if config.train.trainer == "standard":
+            resolve_device(config.train.device)  # a device asked for and absent fails before the daemon starts
 
         p2p = await start_p2p(config, identity)
         dht = None
@@ -302,7 +305,9 @@ class Node:
                 self.observe = False
                 loss, tokens = float("nan"), 0
             else:
-                loss, tokens, inner_s = await asyncio.to_thread(trainer.run, node.inner_steps)
+                loss, tokens, inner_s = await asyncio.to_thread(
+                    trainer.run, node.inner_steps, node.inner_time_s, node.test_step_delay_s
+                )
                 last_inner = inner_s
                 if self.leaving and tokens == 0:
                     break  # asked to leave before a single step of this round: nothing to contribute
@@ -340,7 +345,8 @@ class Node:
             bpb = None
             if node.eval_every and averager.round % node.eval_every == 0:
                 bpb = await asyncio.to_thread(trainer.evaluate)
-            self._log_round(outcome, loss, tokens, transport, sent, received, bpb, started)
+            speed = tokens / last_inner if tokens and last_inner > 0 else 0.0
+            self._log_round(outcome, loss, tokens, speed, trainer.device, transport, sent, received, bpb, started)
             if averager.round % node.checkpoint_every == 0:
                 self._checkpoint(trainer, averager)
             if self.leaving:
@@ -398,9 +404,11 @@ class Node:
         return max(floor, 1.25 * slowest - last_inner)
 
     def _log_round(
-        self, outcome: RoundOutcome, loss: float, tokens: int, transport: Any, sent: int, received: int,
-        bpb: float | None, started: float,
+        self, outcome: RoundOutcome, loss: float, tokens: int, tokens_per_s: float, device: str, transport: Any,
+        sent: int, received: int, bpb: float | None, started: float,
     ) -> None:  # fmt: skip
+        group = outcome.group
+        mine = dict(zip(group.members, group.weights, strict=True)).get(transport.peer_id, 0.0)
         record = {
             "kind": "round",
             "round": outcome.round,
@@ -412,6 +420,9 @@ class Node:
             "digest": outcome.digest,
             "loss": None if loss != loss else loss,
             "tokens": tokens,
+            "device": device,
+            "tokens_per_s": round(tokens_per_s, 1),
+            "token_share": round(mine / sum(group.weights), 6) if sum(group.weights) > 0 else 0.0,
             "bytes_sent": transport.counter.sent - sent,
             "bytes_received": transport.counter.received - received,
             "bytes_per_param": round((transport.counter.sent - sent) / self.numel, 6),

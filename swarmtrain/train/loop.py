@@ -73,7 +73,7 @@ def run_training(config: Config, resume: bool = False, console: Console | None =
     console.print(
         f"model: {count_parameters(trainer.model):,} parameters (depth {m.depth}, width {m.width}, heads {m.heads}, "
         f"context {m.context}); corpus: {corpus.description}, {len(corpus.train):,} train / {len(corpus.val):,} "
-        f"held-out bytes; {threads} threads; run dir {run_dir}"
+        f"held-out bytes; on {trainer.device}, {threads} threads; run dir {run_dir}"
     )
     if skipped:
         console.print(skipped)

@@ -3,6 +3,11 @@
 ``Trainer`` holds the model, the optimizer and the position in the data (the step), and nothing about where
 its steps come from: ``swarmtrain train`` drives it alone, a swarm node drives it for H inner steps per round.
 Its whole state goes in and out as named tensors plus JSON metadata, which is what a checkpoint stores.
+
+The model and AdamW live on ``train.device`` (see ``swarmtrain.train.device``); batches are moved there, and
+``train.precision = bf16`` autocasts the forward pass on that device type while the weights, the optimizer state
+and the update stay fp32. What leaves the trainer (``state``, a node's parameter vector) is on the CPU: the CPU
+is one device among the others here, with the same code path.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from swarmtrain.data import Corpus, eval_starts, train_batch, windows
 from swarmtrain.errors import CheckpointError
 from swarmtrain.model import VOCAB, ByteTransformer, param_groups
 from swarmtrain.train.checkpoint import Checkpoint, load_optimizer_tensors, optimizer_tensors
+from swarmtrain.train.device import resolve_device
 
 
 def configure_threads(threads: int) -> int:
@@ -33,8 +39,9 @@ class Trainer:
         corpus.check_context(config.model.context)
         self.config = config
         self.corpus = corpus
+        self.device = resolve_device(config.train.device)
         torch.manual_seed(config.train.seed)
-        self.model = ByteTransformer(config.model)
+        self.model = ByteTransformer(config.model).to(self.device)  # initialised on the CPU: the same on every device
         t = config.train
         self.optimizer = torch.optim.AdamW(
             param_groups(self.model, t.weight_decay), lr=t.lr, betas=(t.beta1, t.beta2), foreach=True
@@ -55,11 +62,11 @@ class Trainer:
     def train_step(self) -> float:
         """One AdamW step on the batch for the current step; returns the training loss in nats per byte."""
         t, context = self.config.train, self.config.model.context
-        batch = train_batch(self.corpus.train, t.batch_size, context, self.data_seed, self.step)
+        batch = train_batch(self.corpus.train, t.batch_size, context, self.data_seed, self.step).to(self.device)
         for group in self.optimizer.param_groups:
             group["lr"] = self.lr_at(self.step)
         self.model.train()
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=t.precision == "bf16"):
+        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=t.precision == "bf16"):
             logits = self.model(batch[:, :-1])
         loss = F.cross_entropy(logits.float().reshape(-1, VOCAB), batch[:, 1:].reshape(-1))
         self.optimizer.zero_grad(set_to_none=True)
@@ -78,7 +85,7 @@ class Trainer:
         self.model.eval()
         total = 0.0
         for chunk in self._eval_starts.reshape(t.eval_batches, t.batch_size):
-            batch = windows(self.corpus.val, chunk, context)
+            batch = windows(self.corpus.val, chunk, context).to(self.device)
             logits = self.model(batch[:, :-1])
             total += F.cross_entropy(logits.reshape(-1, VOCAB), batch[:, 1:].reshape(-1), reduction="sum").item()
         return total / (len(self._eval_starts) * context) / math.log(2)
@@ -88,6 +95,7 @@ class Trainer:
         tensors = {f"model.{k}": v for k, v in self.model.state_dict().items()}
         optim, groups = optimizer_tensors(self.optimizer)
         tensors.update(optim)
+        tensors = {k: v.detach().cpu() for k, v in tensors.items()}  # a checkpoint loads on any device
         meta = {
             "step": self.step,
             "tokens": self.tokens,
