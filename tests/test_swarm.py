@@ -149,7 +149,7 @@ def test_bootstrap_status_and_a_graceful_ctrl_c(swarm: Swarm, tmp_path: Path) ->
         assert status.returncode == 0, status.stderr
         peers = json.loads(status.stdout)
         assert [p["peer_id"] for p in peers] == [swarm.join_line("a").rsplit("/", 1)[-1]]
-        assert peers[0]["round"] >= 0 and peers[0]["run_id"] == "swarmtrain"
+        assert peers[0]["round"] >= 0 and peers[0]["run_id"] == "swarmtrain" and peers[0]["device"] == "cpu"
         node.send_signal(signal.SIGINT)
         assert node.wait(timeout=60) == 0, swarm.log("a")
         assert "leaving the swarm gracefully" in swarm.log("a")

@@ -47,6 +47,7 @@ class PeerRecord(BaseModel):
     batch_size: int = Field(ge=0)
     digest: str = Field("", max_length=64)
     inner_s: float = Field(0.0, ge=0.0, le=MAX_INNER_S, allow_inf_nan=False)  # its last inner phase, s (0: none)
+    device: str = Field("", max_length=32)  # where its inner steps run (cpu, cuda:0, mps); "" for a bootstrap peer
 
 
 class _RecordV1(pv1.BaseModel):
@@ -60,6 +61,7 @@ class _RecordV1(pv1.BaseModel):
     batch_size: pv1.StrictInt
     digest: pv1.StrictStr
     inner_s: pv1.StrictFloat
+    device: pv1.StrictStr
     mac: pv1.StrictStr  # the private swarm's MAC over subkey and record ("" in a public swarm)
 
 

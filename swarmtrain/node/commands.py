@@ -117,9 +117,11 @@ def show_status(config: Config, as_json: bool) -> None:
         print(json.dumps([r.model_dump() for r in records], indent=2))
         return
     table = Table(title=f"swarm {config.node.run_id!r}: {len(records)} peers")
-    for column in ("peer", "round", "phase", "tokens/s", "batch", "digest", "address"):
+    for column in ("peer", "round", "phase", "device", "tokens/s", "batch", "digest", "address"):
         table.add_column(column)
     for r in records:
-        row: list[Any] = [r.peer_id[-12:], r.round, r.phase, f"{r.tokens_per_s:,.0f}", r.batch_size, r.digest[:8]]
+        row: list[Any] = [
+            r.peer_id[-12:], r.round, r.phase, r.device or "-", f"{r.tokens_per_s:,.0f}", r.batch_size, r.digest[:8]
+        ]  # fmt: skip
         table.add_row(*map(str, row), r.addrs[0] if r.addrs else "")
     Console().print(table)

@@ -159,7 +159,7 @@ class Node:
             record = PeerRecord(
                 peer_id=me, addrs=[str(m) for m in maddrs], proto=PROTOCOL_VERSION, run_id=node.run_id,
                 round=averager.round, phase="training", tokens_per_s=0.0, batch_size=config.train.batch_size,
-                digest=averager.outer.digest() if checkpoint is not None else "",
+                digest=averager.outer.digest() if checkpoint is not None else "", device=trainer.device,
             )  # fmt: skip
             signer, _ = record_validators(node.run_id, private_key)
             membership = Membership(dht, signer, record, ttl=node.record_ttl_s, auth=auth)
