@@ -114,6 +114,34 @@ def test_gossip_groups_agree_inside_and_mix_across(swarm: Swarm) -> None:
     assert spread[5] < spread[0] / 10, spread
 
 
+@pytest.mark.slow
+def test_a_gossip_round_with_a_member_killed_mid_update_ends_identical_inside_its_group(swarm: Swarm) -> None:
+    """6 nodes in gossip groups of 3, each from its own init, so rounds mix theta_g first; one member is killed
+    after its first part of round 2's update exchange. Its group's survivors end that round with one digest, every
+    group of every round does, and the swarm of 5 trains on."""
+    names = [f"n{i}" for i in range(6)]
+    common = ["averaging.group_size=3", "averaging.outer_lr=1.0", "averaging.outer_momentum=0", "train.lr=1e-7"]
+    settings = [f"node.min_peers={len(names)}", *common]
+    swarm.start("n0", 5, extra=[*settings, "train.seed=0"])
+    first = swarm.join_line("n0")
+    for i, name in enumerate(names[1:], start=1):
+        extra = [*settings, f"train.seed={i}"] + (["averaging.fail_at=round=2,part=1"] if name == "n5" else [])
+        swarm.start(name, 5, join=first, extra=extra)
+    swarm.wait(names[:5], timeout=300)
+    assert swarm.procs["n5"].wait(timeout=10) == -9
+    rows = [r for name in names[:5] for r in swarm.rounds(name)]
+    by_group: dict[str, set[str]] = {}
+    for r in rows:
+        by_group.setdefault(r["group_id"], set()).add(r["digest"])
+    assert all(len(digests) == 1 for digests in by_group.values()), by_group
+    victim = swarm.rounds("n5")[0]["peer_id"]
+    assert [r["round"] for r in swarm.rounds("n5")] == [0, 1]  # it died inside round 2
+    hit = [r for r in rows if r["round"] == 2 and victim in r["group"]]
+    assert len(hit) == 2, [r for r in rows if r["round"] == 2]  # its two group mates logged round 2
+    assert {r["outcome"] for r in hit} == {"fallback"} and len({r["digest"] for r in hit}) == 1, hit
+    assert all(len([r for r in swarm.rounds(name) if r["round"] == 4]) == 1 for name in names[:5])
+
+
 def test_nodes_find_each_other_through_a_stock_hivemind_dht_bootstrap_peer(swarm: Swarm, tmp_path: Path) -> None:
     hivemind_dht = [str(Path(sys.executable).with_name("hivemind-dht")), "--host_maddrs", "/ip4/127.0.0.1/tcp/0"]
     boot, log_path = start_logged(hivemind_dht, tmp_path / "hivemind-dht.log", start_new_session=True)
