@@ -40,6 +40,7 @@ def test_nodes_with_different_batch_sizes_h_and_precision_agree_and_weigh_by_tok
     assert all(len(digests) == 1 for digests in by_round.values()), by_round
 
 
+@pytest.mark.slow  # the in-process simulator freezes members on every seed; this is the real-process check
 def test_a_node_frozen_past_the_deadline_resyncs_and_contributes_again(swarm: Swarm) -> None:
     """SIGSTOP: the process stops answering while its daemon keeps the connections open, the worst kind of cut."""
     names = ["n0", "n1", "n2"]

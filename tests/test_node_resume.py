@@ -146,7 +146,11 @@ def test_the_cli_refuses_a_used_run_dir_without_resume(tmp_path: Path, text_file
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("stop", [signal.SIGTERM, signal.SIGKILL], ids=["graceful", "kill-9"])
+@pytest.mark.parametrize(
+    "stop",
+    [pytest.param(signal.SIGTERM, marks=pytest.mark.slow), signal.SIGKILL],  # a graceful leave: test_churn too
+    ids=["graceful", "kill-9"],
+)
 def test_a_stopped_node_resumes_and_rejoins_in_step(swarm: Swarm, stop: signal.Signals) -> None:
     """Three nodes; c stops (Ctrl+C-like, or kill -9 of it and its daemon after a checkpoint), a and b go on,
     c comes back with --resume: it downloads the state it missed and every round it logs from then on ends
@@ -191,5 +195,5 @@ def test_a_stopped_node_resumes_and_rejoins_in_step(swarm: Swarm, stop: signal.S
     joined = [r for r in after if r["outcome"] != "diverged" and r["round"] in digests]
     assert len(joined) >= 3 and all(digests[r["round"]] == r["digest"] for r in joined), after
     assert len(after) - len([r for r in after if r["outcome"] != "diverged"]) <= 1, after
-    contributing = [r for r in after if r["tokens"] > 0 and r["group_size"] == 3]
+    contributing = [r for r in after if r["tokens"] > 0 and r["group_size"] > 1]
     assert contributing and contributing[0]["round"] - after[0]["round"] <= 2, after[:4]

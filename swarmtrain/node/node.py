@@ -391,12 +391,14 @@ class Node:
     def _gather_timeout(self, membership: Membership, expected: set[str], last_inner: float) -> float:
         """How long this node, as leader, waits for expected members that have not joined yet.
 
-        At least ``averaging.min_gather_s`` or half my inner phase; for peers with longer inner phases (another H,
+        At least ``averaging.min_gather_s`` or one inner phase of mine (a peer slowed by a busy machine is late by
+        a fraction of its phase, not more, and waiting costs nothing once everyone joined); for peers with longer
+        inner phases (another H,
         a slower machine), up to the end of theirs, but never more than twice my own: a slower peer does not
         hold the group, its update joins a later round (the staleness rule). A node that has not trained yet
         (a joiner observing its first round) waits for the others' whole inner phase.
         """
-        floor = max(self.config.averaging.min_gather_s, 0.5 * last_inner)
+        floor = max(self.config.averaging.min_gather_s, last_inner)
         peers = [r.inner_s for p, r in membership.view.items() if p in expected and p != membership.record.peer_id]
         slowest = max(peers, default=0.0)
         if last_inner > 0:
