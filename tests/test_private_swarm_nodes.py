@@ -31,6 +31,7 @@ def keygen(path: Path) -> None:
     subprocess.run([sys.executable, "-m", "swarmtrain", "keygen", "--swarm", str(path)], check=True)
 
 
+@pytest.mark.slow  # about a minute of real processes; tests/test_private_swarm.py checks the same rules in process
 async def test_only_holders_of_the_swarm_key_take_part(swarm: Swarm, tmp_path: Path) -> None:
     key, other = tmp_path / "swarm.key", tmp_path / "other.key"
     keygen(key)
