@@ -16,20 +16,26 @@ from swarmtrain.averaging.sim import replay_command, run_seed
 # heard no one's report, or that holds the digests of half the group or fewer, does not confirm an unmixed round).
 FOUND = [(222, 1), (132, 2), (191, 2), (220, 2)]
 
+# Open breaks the 20,000-seed sweep found (two rounds each): survivors decide differently on a shard, in three of
+# them after a single stream reset (109288: one reset of a results stream). Each is a bug report that fails today
+# (strict xfail: fixing one makes its test fail until it moves to FOUND); the sweep fails on any break not listed.
+KNOWN_BREAKS = [104998, 106954, 107045, 109288, 113409, 115880, 118352, 118665]
+
 
 def violations(seed: int, rounds: int) -> list[str]:
     return run_seed(seed, rounds)
 
 
-def check(seeds: list[int], rounds: int, workers: int = 1) -> None:
+def check(seeds: list[int], rounds: int, workers: int = 1, known: frozenset[int] = frozenset()) -> None:
     if workers > 1:
         with ProcessPoolExecutor(workers) as pool:
             found = dict(zip(seeds, pool.map(violations, seeds, [rounds] * len(seeds), chunksize=50), strict=True))
     else:
         found = {seed: violations(seed, rounds) for seed in seeds}
-    failures = {seed: v for seed, v in found.items() if v}
+    failures = {seed: v for seed, v in found.items() if v and seed not in known}
     lines = [f"{replay_command(seed, rounds)}\n  " + "\n  ".join(v) for seed, v in failures.items()]
     assert not failures, f"{len(failures)} of {len(seeds)} seeds broke an invariant:\n" + "\n".join(lines)
+    assert known <= {seed for seed, v in found.items() if v}, "a known break holds now: move it to FOUND"
 
 
 @pytest.mark.parametrize(("seed", "rounds"), FOUND)
@@ -41,7 +47,13 @@ def test_500_seeds_keep_every_round_invariant() -> None:
     check(list(range(1000, 1500)), rounds=1)
 
 
+@pytest.mark.parametrize("seed", KNOWN_BREAKS)
+@pytest.mark.xfail(strict=True, reason="open break of round agreement (issue 10): survivors decide differently")
+def test_known_breaks(seed: int) -> None:
+    check([seed], rounds=2)
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(7200)
-def test_20000_seeds_keep_every_round_invariant() -> None:
-    check(list(range(100_000, 120_000)), rounds=2, workers=os.cpu_count() or 1)
+def test_20000_seeds_break_no_invariant_beyond_the_known_breaks() -> None:
+    check(list(range(100_000, 120_000)), rounds=2, workers=os.cpu_count() or 1, known=frozenset(KNOWN_BREAKS))
