@@ -92,16 +92,21 @@ def test_survivors_of_a_kill_9_mid_all_reduce_agree_and_keep_training(swarm: Swa
     assert all(r["group_size"] == 3 and r["outcome"] == "applied" for r in later)
 
 
-def test_gossip_groups_agree_inside_and_mix_across(swarm: Swarm) -> None:
-    """6 nodes in groups of 3 that reshuffle every round, each starting from its own random init: members of a
-    group end every round identical, and the distance between replicas shrinks as the groups mix."""
+def start_gossip_swarm(swarm: Swarm, rounds: int, extra: dict[str, list[str]] | None = None) -> list[str]:
+    """6 nodes in gossip groups of 3, each from its own init (train.seed), so rounds mix theta_g first."""
     names = [f"n{i}" for i in range(6)]
     common = ["averaging.group_size=3", "averaging.outer_lr=1.0", "averaging.outer_momentum=0", "train.lr=1e-7"]
     settings = [f"node.min_peers={len(names)}", *common]
-    swarm.start("n0", 6, extra=[*settings, "train.seed=0"])
-    first = swarm.join_line("n0")
-    for i, name in enumerate(names[1:], start=1):
-        swarm.start(name, 6, join=first, extra=[*settings, f"train.seed={i}"])
+    for i, name in enumerate(names):
+        node = [*settings, f"train.seed={i}", *(extra or {}).get(name, [])]
+        swarm.start(name, rounds, join=swarm.join_line("n0") if i else None, extra=node)
+    return names
+
+
+def test_gossip_groups_agree_inside_and_mix_across(swarm: Swarm) -> None:
+    """6 nodes in groups of 3 that reshuffle every round, each starting from its own random init: members of a
+    group end every round identical, and the distance between replicas shrinks as the groups mix."""
+    names = start_gossip_swarm(swarm, rounds=6)
     swarm.wait(names, timeout=240)
     rows = [r for name in names for r in swarm.rounds(name)]
     by_group: dict[str, set[str]] = {}
@@ -119,14 +124,7 @@ def test_a_gossip_round_with_a_member_killed_mid_update_ends_identical_inside_it
     """6 nodes in gossip groups of 3, each from its own init, so rounds mix theta_g first; one member is killed
     after its first part of round 2's update exchange. Its group's survivors end that round with one digest, every
     group of every round does, and the swarm of 5 trains on."""
-    names = [f"n{i}" for i in range(6)]
-    common = ["averaging.group_size=3", "averaging.outer_lr=1.0", "averaging.outer_momentum=0", "train.lr=1e-7"]
-    settings = [f"node.min_peers={len(names)}", *common]
-    swarm.start("n0", 5, extra=[*settings, "train.seed=0"])
-    first = swarm.join_line("n0")
-    for i, name in enumerate(names[1:], start=1):
-        extra = [*settings, f"train.seed={i}"] + (["averaging.fail_at=round=2,part=1"] if name == "n5" else [])
-        swarm.start(name, 5, join=first, extra=extra)
+    names = start_gossip_swarm(swarm, rounds=5, extra={"n5": ["averaging.fail_at=round=2,part=1"]})
     swarm.wait(names[:5], timeout=300)
     assert swarm.procs["n5"].wait(timeout=10) == -9
     rows = [r for name in names[:5] for r in swarm.rounds(name)]
