@@ -300,3 +300,19 @@ async def test_members_do_not_wait_on_a_leader_that_is_catching_up() -> None:
     assert [o.group.members for o in outcomes] == [("peer1", "peer2")] * 2
     assert {o.outcome for o in outcomes} == {"applied"}
     assert loop.time() - started < 10.0, "the members waited on the leader that is catching up"
+
+
+async def test_every_member_runs_the_same_budget_when_the_leader_measured_slower_rounds() -> None:
+    # The leader's last transfer was slow (its deadline adapted to 40 s); the other members' were fast, so each
+    # caps the leader's budget at 4 x 2 s. Capping it on its own, a member would run shorter phase deadlines than
+    # the leader and decide on the reports while a live member's report is still due (sim seed 109288).
+    net, averagers = make_swarm(3)
+    for a in averagers:
+        await a.start()
+    averagers[0]._durations.append(10.0)
+    for a in averagers[1:]:
+        a._durations.append(0.1)
+    outcomes = await run_round(averagers, [torch.ones(NUMEL)] * 3, [1.0, 1.0, 1.0])
+    budgets = {a.me: a.budget_s(o.group) for a, o in zip(averagers, outcomes, strict=True)}
+    assert set(budgets.values()) == {4 * 2.0}, f"one budget for the whole group (the least cap), got {budgets}"
+    assert {o.outcome for o in outcomes} == {"applied"}

@@ -81,7 +81,9 @@ class Averager:
         self.part_numel = part_numel
         self.min_deadline, self.deadline_factor = min_deadline, deadline_factor
         # Joins carry the parameter count, so a leader refuses a peer training another model shape.
-        self.matchmaker = Matchmaker(transport, {**self.header, "numel": theta.numel()}, group_size)
+        self.matchmaker = Matchmaker(
+            transport, {**self.header, "numel": theta.numel()}, group_size, min_budget_s=deadline_factor * min_deadline
+        )
         self.group_size = group_size
         self.round = 0
         self.needs_catch_up = False
@@ -267,8 +269,9 @@ class Averager:
             delta, weight = torch.zeros_like(delta), 0.0
         elif weight > 0:
             delta = self._with_stale(delta, round_)
+        own = self.deadline_s()
         group = await self.matchmaker.form_group(
-            round_, weight, self.outer.digest(), candidates, expected, gather_timeout, self.deadline_s()
+            round_, weight, self.outer.digest(), candidates, expected, gather_timeout, own, self.deadline_factor * own
         )
         if group.size == 1:
             self.round += 1
@@ -379,7 +382,8 @@ class Averager:
 
     def budget_s(self, group: Group) -> float:
         """The budget D of one payload exchange in ``group``: the leader's, so that every member runs the same
-        phase deadlines, but never more than ``deadline_factor`` times this member's own deadline.
+        phase deadlines, but never more than ``deadline_factor`` times this member's own deadline (the cap it
+        joined with; an honest leader already gave the group the least cap of its members).
 
         The round's bound after its group formed is ``(2 if mixed else 1) * D + DIGEST_SHARE * D + D``: the
         exchange(s), the digest exchange when the exchange used all its time, and a resync.

@@ -30,6 +30,7 @@ class Lobby:
     round: int
     joined: dict[str, float] = field(default_factory=dict)
     digests: dict[str, str] = field(default_factory=dict)
+    caps: dict[str, float] = field(default_factory=dict)  # the longest budget each joiner accepts
     redirect: str | None = None
     redirected: asyncio.Event = field(default_factory=asyncio.Event)
     changed: asyncio.Event = field(default_factory=asyncio.Event)
@@ -45,11 +46,15 @@ def check_weight(weight: Any) -> float:
 
 
 class Matchmaker:
-    def __init__(self, transport: Transport, header: dict[str, Any], group_size: int) -> None:
+    def __init__(
+        self, transport: Transport, header: dict[str, Any], group_size: int, min_budget_s: float = 0.0
+    ) -> None:
         self.transport = transport
         self.me = transport.peer_id
         self.header = header
         self.group_size = group_size
+        # A joiner's cap below this is raised to it: one joiner cannot starve the whole group of time.
+        self.min_budget_s = min_budget_s
         self.lobbies: dict[int, Lobby] = {}
         self.join_timeout = 60.0
         # Set while this node catches up with the swarm: it will not lead a round it is behind on, so joiners are
@@ -87,6 +92,9 @@ class Matchmaker:
         digest = header.get("digest")
         if not isinstance(digest, str) or len(digest) > 64:
             raise Rejected("join must carry the digest of the joiner's theta_g")
+        cap = header.get("cap_s", MAX_DEADLINE_S)
+        if isinstance(cap, bool) or not isinstance(cap, int | float) or not 0.0 < cap <= MAX_DEADLINE_S:
+            raise Rejected(f"budget cap {cap!r} is not in (0, {MAX_DEADLINE_S:g}] seconds")
         lobby = self._lobby(round_)
         if lobby.result.done():
             if sender in lobby.result.result().members:  # asking again: the answer to its first join was lost
@@ -96,6 +104,7 @@ class Matchmaker:
             return {"redirect": lobby.redirect}
         lobby.joined[sender] = weight
         lobby.digests[sender] = digest
+        lobby.caps[sender] = max(float(cap), self.min_budget_s)
         lobby.changed.set()
         redirected = asyncio.ensure_future(lobby.redirected.wait())
         behind = asyncio.ensure_future(self._catching_up.wait())
@@ -138,8 +147,15 @@ class Matchmaker:
         expected: set[str],
         gather_timeout: float,
         deadline_s: float = 0.0,
+        cap_s: float = MAX_DEADLINE_S,
     ) -> Group:
-        """Meet the others of my gossip group for ``round_``; a group of one if nobody can be reached."""
+        """Meet the others of my gossip group for ``round_``; a group of one if nobody can be reached.
+
+        ``deadline_s`` is the budget I propose if I lead, ``cap_s`` the longest I accept: a leader gives its group
+        the least of its proposal and every member's cap, so that every member runs the same phase deadlines (a
+        member that capped the leader's budget on its own would decide while a live member's report is still
+        due, from a different view than the others).
+        """
         lobby = self._lobby(round_)
         queue, tried, broken = list(candidates), set(), set()
         # A peer that redirects to a leader I found dead is failing over itself: it pings that leader a few times
@@ -151,11 +167,11 @@ class Matchmaker:
                 continue
             tried.add(candidate)
             if candidate == self.me:
-                return await self._lead(lobby, weight, digest, expected, gather_timeout, deadline_s)
+                return await self._lead(lobby, weight, digest, expected, gather_timeout, min(deadline_s, cap_s))
             lobby.redirect = candidate
             lobby.redirected.set()
             lobby.redirected = asyncio.Event()
-            request = {**self.header, "round": round_, "weight": weight, "digest": digest}
+            request = {**self.header, "round": round_, "weight": weight, "digest": digest, "cap_s": cap_s}
             try:
                 answer = await self._join(candidate, request)
             except (PeerUnreachable, RpcTimeout, RemoteError) as exc:
@@ -279,6 +295,8 @@ class Matchmaker:
         if self.me not in members:
             members = sorted([*members[:-1], self.me])
         mixed = len({lobby.digests[m] for m in members}) > 1
+        if deadline_s > 0:
+            deadline_s = min([deadline_s, *(lobby.caps[m] for m in members if m in lobby.caps)])
         group = Group(lobby.round, tuple(members), tuple(lobby.joined[m] for m in members), mixed, deadline_s)
         lobby.result.set_result(group)
         missing = expected - set(members)
