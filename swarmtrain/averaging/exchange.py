@@ -245,15 +245,19 @@ class GroupExchange(ABC):
         what arrived) to every member and wait for their relays. The view is what I relayed plus every relay
         that came in: a value that reached some survivors before its sender died reaches the others through
         them, so every survivor decides from the same view unless a second member dies within the relay step.
-        What arrives directly after I relayed is not in my view (it would be in no one else's).
+        What arrives directly after I relayed is not in my view (it would be in no one else's). Nor is a member's
+        value that only its own relay carries: a member that stalled through step 1 (its value reached no one in
+        time) may wake up and relay it to some survivors before they decide and not to others; a value that
+        reached anyone else in step 1 comes to every survivor in that one's relay.
         """
         held[self.me] = mine
         await self._exchange(method, {key: mine}, held_in, deadlines[0])
         view = dict(held)
         await self._exchange(method, {"relay": self._pack_relay(view)}, relays_in, deadlines[1])
-        for relay in list(relays.values()):
+        for sender, relay in list(relays.items()):
             for peer, value in relay.items():
-                view.setdefault(peer, value)
+                if peer != sender:
+                    view.setdefault(peer, value)
         return view
 
     async def _agree(self, hashes: list[str | None]) -> list[bool]:
