@@ -325,7 +325,9 @@ class GroupExchange(ABC):
 
     async def _send_small(self, peer: str, method: str, header: dict[str, Any], deadline: float) -> None:
         """Send a report or digest; a broken stream is retried (the peer would otherwise wait for it until the
-        deadline), a peer that still cannot be reached is marked dead."""
+        deadline). A peer that still cannot be reached is pinged, not counted gone: a broken link from me is no
+        proof that its own report or relay will not reach me, and a survivor I stopped waiting for would leave
+        its relay out of my view and in everyone else's."""
         loop = asyncio.get_running_loop()
         for attempt in range(SMALL_ATTEMPTS):
             try:
@@ -333,7 +335,8 @@ class GroupExchange(ABC):
                 return
             except PeerUnreachable as exc:
                 if attempt + 1 == SMALL_ATTEMPTS or deadline - loop.time() < 2 * RETRY_PAUSE:
-                    self.liveness.mark_dead(peer, str(exc))
+                    log.info("%s; pinging %s", exc, peer[-8:])
+                    self.liveness.watch(peer)
                     return
                 await asyncio.sleep(RETRY_PAUSE)
             except RpcTimeout as exc:
