@@ -324,8 +324,9 @@ class GroupExchange(ABC):
         await asyncio.gather(*(t for t in sends.values() if t not in self._background))
 
     async def _send_small(self, peer: str, method: str, header: dict[str, Any], deadline: float) -> None:
-        """Send a report or digest; a broken stream is retried (the peer would otherwise wait for it until the
-        deadline). A peer that still cannot be reached is pinged, not counted gone: a broken link from me is no
+        """Send a report or digest; a broken stream is retried while time is left, sooner as the deadline nears (a
+        relay lost to one reset just before the deadline leaves the receiver's view short of what the others
+        hold). A peer that still cannot be reached is pinged, not counted gone: a broken link from me is no
         proof that its own report or relay will not reach me, and a survivor I stopped waiting for would leave
         its relay out of my view and in everyone else's."""
         loop = asyncio.get_running_loop()
@@ -334,11 +335,12 @@ class GroupExchange(ABC):
                 await self.transport.call(peer, method, header, timeout=max(deadline - loop.time(), 0.01))
                 return
             except PeerUnreachable as exc:
-                if attempt + 1 == SMALL_ATTEMPTS or deadline - loop.time() < 2 * RETRY_PAUSE:
+                left = deadline - loop.time()
+                if attempt + 1 == SMALL_ATTEMPTS or left <= 0.01:
                     log.info("%s; pinging %s", exc, peer[-8:])
                     self.liveness.watch(peer)
                     return
-                await asyncio.sleep(RETRY_PAUSE)
+                await asyncio.sleep(min(RETRY_PAUSE, left / SMALL_ATTEMPTS))
             except RpcTimeout as exc:
                 self.liveness.mark_dead(peer, str(exc))
                 return
