@@ -23,6 +23,7 @@ from swarmtrain.averaging.exchange import AllReduceResult, GroupExchange, digest
 from swarmtrain.averaging.group import Group
 from swarmtrain.averaging.matchmaking import Matchmaker
 from swarmtrain.averaging.outer import OuterOptimizer
+from swarmtrain.averaging.robust import Aggregator
 from swarmtrain.averaging.statesync import CHUNK_BYTES, SnapshotStore, download_state
 from swarmtrain.compression import BaseCodec, CodecState, all_finite, get_codec
 from swarmtrain.net import Handler, Rejected, StreamHandler, Transport
@@ -71,8 +72,12 @@ class Averager:
         fail_at: str = "",
         error_feedback: bool = True,
         shapes: list[tuple[int, ...]] | None = None,
+        aggregator: Aggregator | None = None,
+        attack: Callable[[torch.Tensor, float], tuple[torch.Tensor, float]] | None = None,
     ) -> None:
         self.transport = transport
+        self.aggregator = aggregator or Aggregator()  # combines the round's updates (``robust``); state mixes: mean
+        self.attack = attack  # tests only (``attack.kind``): turns my honest update into a hostile one
         self.me = transport.peer_id
         self.run_id = run_id
         self.header = {"run": run_id, "v": PROTOCOL_VERSION}
@@ -267,6 +272,8 @@ class Averager:
             delta, weight = torch.zeros_like(delta), 0.0
         elif weight > 0:
             delta = self._with_stale(delta, round_)
+        if self.attack is not None and weight > 0:
+            delta, weight = self.attack(delta, weight)  # after the finiteness check: a hostile node skips it
         group = await self.matchmaker.form_group(
             round_, weight, self.outer.digest(), candidates, expected, gather_timeout, self.deadline_s()
         )
@@ -421,13 +428,14 @@ class Averager:
             allreduce = AllGather(
                 group, self.me, vector, self.transport, header=self.header, segments=self.segments,
                 deadline=deadline, states=self.codec_states if residual is not None else None, residual=residual,
-                on_part_sent=fault, tag=tag, scratch=self._scratch,
+                on_part_sent=fault, tag=tag, scratch=self._scratch, aggregator=self.aggregator,
             )  # fmt: skip
         else:
             allreduce = AllReduce(
                 group, self.me, vector, self.transport, header=self.header, codec_up=codec or self.codec_up,
                 codec_down=codec or self.codec_down, part_numel=self.part_numel, deadline=deadline,
                 on_part_sent=fault, tag=tag, scratch=self._scratch, residual=residual,
+                aggregator=self.aggregator if codec is None else None,  # theta_g mixes by the plain mean
             )  # fmt: skip
         route = self._route(allreduce.route)
         if not route.done():
