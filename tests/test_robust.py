@@ -103,3 +103,16 @@ def test_auto_is_mean_in_a_private_swarm_and_robust_in_a_public_one() -> None:
     assert parse_aggregator("auto", private=True) == Aggregator()
     public = parse_aggregator("auto")
     assert public.kind != "mean" and public.clip > 0 and public.cap > 0
+
+
+@pytest.mark.parametrize("members", [1, 2, 5, 8, 16, 17])
+def test_the_sorting_network_sorts_like_torch_and_carries_the_weights(members: int) -> None:
+    from swarmtrain.averaging.robust import _sort_columns
+
+    stack = torch.randn(members, 999)
+    stack[:, :20] = torch.randn(1, 20)  # ties
+    weights = torch.arange(members, dtype=torch.float32)[:, None].expand(members, 999).clone()
+    ordered = stack.clone()
+    _sort_columns(ordered, weights)
+    assert torch.equal(ordered, stack.sort(dim=0).values)
+    assert torch.equal(stack.gather(0, weights.long()), ordered)  # each weight still sits with its own value

