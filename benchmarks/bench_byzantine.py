@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
 import math
 import time
 
@@ -104,8 +105,8 @@ async def one_run(config, corpus, aggregator: str, kind: str | None, hostile: in
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rounds", type=int, default=6)
-    parser.add_argument("--steps", type=int, default=15, help="inner steps per member per round (H)")
+    parser.add_argument("--rounds", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=20, help="inner steps per member per round (H)")
     parser.add_argument("--kinds", nargs="*", default=list(KINDS))
     parser.add_argument("--hostile", type=int, nargs="*", default=[2, 3], help="attackers of 8, one run per count")
     parser.add_argument("--robust", default=parse_aggregator("auto").spec, help="the aggregator under attack")
@@ -114,6 +115,7 @@ def main() -> None:
     )
     parser.add_argument("--threads", type=int, default=1, help="torch threads (1 was fastest on 2 busy cores)")
     args = parser.parse_args()
+    logging.basicConfig(level=logging.ERROR)  # the refused payloads of the hostile members are expected here
     config = small_config(args.threads)
     torch.set_num_threads(args.threads)
     corpus = load_corpus(config.data)

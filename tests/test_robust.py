@@ -116,3 +116,21 @@ def test_the_sorting_network_sorts_like_torch_and_carries_the_weights(members: i
     _sort_columns(ordered, weights)
     assert torch.equal(ordered, stack.sort(dim=0).values)
     assert torch.equal(stack.gather(0, weights.long()), ordered)  # each weight still sits with its own value
+
+
+def test_the_config_names_the_key_of_a_bad_aggregator_and_refuses_per_coordinate_ones_with_top_k() -> None:
+    from swarmtrain.config import Config
+
+    with pytest.raises(ValueError, match=r"averaging\.aggregator: unknown aggregator 'krum'"):
+        Config.model_validate({"averaging": {"aggregator": "krum"}})
+    with pytest.raises(ValueError, match="would discard sparse"):
+        Config.model_validate({"averaging": {"aggregator": "median", "codec": "topk:frac=0.01"}})
+    Config.model_validate({"averaging": {"aggregator": "centered-clip:tau=2", "codec": "topk:frac=0.01"}})
+
+
+def test_an_attack_is_refused_unless_marked_test_only() -> None:
+    from swarmtrain.config import Config
+
+    with pytest.raises(ValueError, match="attack.test_only = true"):
+        Config.model_validate({"attack": {"kind": "sign-flip"}})
+    assert Config.model_validate({"attack": {"kind": "sign-flip", "test_only": True}}).attack.kind == "sign-flip"
