@@ -233,6 +233,9 @@ class AveragingConfig(_Section):
     cap: token weights at that multiple of the median). auto: mean in a private swarm (node.swarm_key or
     node.allow_peers set),
     centered-clip in a public one."""
+    ban_rounds: int = Field(10, ge=0, le=1_000_000)
+    """Rounds a peer caught sending an invalid payload (malformed, non-finite, out of bounds) is left out of this
+    node's groups, with the reason logged; 0 bans nobody."""
     fail_at: str = Field("", pattern=r"^(round=\d+,part=\d+)?$")
     """Fault injection for tests: 'round=R,part=P' makes this node kill itself (SIGKILL) right after sending
     its P-th part in round R. Empty (the default) injects nothing."""

@@ -119,3 +119,28 @@ async def test_all_gathered_payloads_are_combined_robustly_too() -> None:
     attacked = await deviation_per_round(make_group("centered-clip", "scale", "topk:frac=0.25"), rounds=1)
     mean = await deviation_per_round(make_group("mean", "scale", "topk:frac=0.25"), rounds=1)
     assert max(mean) > 2 and max(attacked) < 1, (attacked, mean)
+
+
+async def test_a_peer_caught_sending_invalid_payloads_is_banned_from_the_next_rounds_groups() -> None:
+    """Round 0: both nan senders are refused and banned by every honest member. Round 1: the honest members
+    form their group without them and apply the whole update; the banned ones are refused with the reason."""
+    averagers = make_group("centered-clip", "nan")
+    for a in averagers:
+        a.matchmaker.bans.rounds = 3
+        await a.start()
+    peers = [a.me for a in averagers]
+    honest, hostile = averagers[: MEMBERS - HOSTILE], averagers[MEMBERS - HOSTILE :]
+    for round_ in range(2):
+        deltas = [torch.randn(NUMEL) for _ in averagers]
+        runs = [
+            a.run_round(d, 1.0, leader_candidates(peers, a.me, 16, "test", a.round), set(peers), gather_timeout=1.0)
+            for a, d in zip(averagers, deltas, strict=True)
+        ]
+        outcomes = await asyncio.gather(*runs)
+        assert len({o.digest for o in outcomes[: len(honest)]}) == 1
+        for a in honest:
+            assert set(a.matchmaker.bans.active(round_ + 1)) == {h.me for h in hostile}
+            assert "non-finite" in (a.matchmaker.bans.reason(hostile[0].me, round_ + 1) or "")
+    last = outcomes[: len(honest)]
+    assert all(o.group.size == len(honest) and o.outcome == "applied" for o in last), last
+    assert all(o.group.size == 1 for o in outcomes[len(honest) :])

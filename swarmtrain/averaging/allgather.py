@@ -121,6 +121,7 @@ class AllGather(GroupExchange):
         self.payloads: dict[str, list[bytes]] = {p: [] for p in group.members}
         self.complete = {p: asyncio.Event() for p in group.members}
         self.aggregator = aggregator or Aggregator()  # how the agreed contributions combine (``robust``)
+        self.invalid: dict[str, str] = {}  # senders of payloads refused on their merits, and why (``bans``)
 
     def _contributes(self, peer: str) -> bool:
         return self.group.weights[self.group.index(peer)] > 0
@@ -139,7 +140,11 @@ class AllGather(GroupExchange):
             async for frame in frames:
                 if self.closed:
                     raise Rejected("the exchange is over")
-                self._check_frame(len(received), frame)
+                try:
+                    self._check_frame(len(received), frame)
+                except Rejected as exc:
+                    self.invalid.setdefault(sender, str(exc))
+                    raise
                 received.append(frame)
         except Rejected as exc:
             received.clear()
@@ -252,7 +257,7 @@ class AllGather(GroupExchange):
             if not applied[j] or weight <= 0:
                 continue
             if not self._decode_into(self.decoded, self.payloads[peer]):
-                applied[j] = False
+                self._refuse(j, peer, applied)
                 continue
             # Scale then add (no fused multiply-add), so every CPU rounds the same way.
             self.average.add_(self.decoded.mul_(weight))
@@ -268,7 +273,7 @@ class AllGather(GroupExchange):
                 continue
             row = torch.empty(self.delta.numel())
             if not self._decode_into(row, self.payloads[peer]):
-                applied[j] = False
+                self._refuse(j, peer, applied)
                 continue
             rows.append(row)
             used.append(weights[j])
@@ -277,6 +282,10 @@ class AllGather(GroupExchange):
             return
         for seg in self.segments:
             self.aggregator.reduce([r[seg.start : seg.end] for r in rows], used, self.average[seg.start : seg.end])
+
+    def _refuse(self, j: int, peer: str, applied: list[bool]) -> None:
+        applied[j] = False  # every member fails the same bytes alike
+        self.invalid.setdefault(peer, "its payload decodes to non-finite or out-of-bound values")
 
     def _decode_into(self, out: torch.Tensor, frames: list[bytes]) -> bool:
         for seg, frame in zip(self.segments, frames, strict=True):

@@ -93,6 +93,7 @@ class AllReduce(GroupExchange):
         self.sent = alloc(f"{tag}sent", delta.numel()) if residual is not None else None
         self.encoded: list[tuple[int, int]] = []  # the ranges of ``sent`` written this round
         self.aggregator = aggregator or Aggregator()  # how a reducer combines a part's contributions (``robust``)
+        self.invalid: dict[str, str] = {}  # senders of payloads refused on their merits, and why (``bans``)
 
     # ---- helpers ----------------------------------------------------------------------------------------
 
@@ -139,6 +140,7 @@ class AllReduce(GroupExchange):
             self._store(box, header, body, self.codec_up, "part")
         except Rejected as exc:
             # Left out of this round entirely: nobody waits for its parts, results or report any more.
+            self.invalid.setdefault(sender, str(exc))
             self.bad_senders.add(sender)
             self.liveness.mark_dead(sender, f"sent a bad payload ({exc})")
             raise

@@ -19,6 +19,7 @@ import torch
 
 from swarmtrain.averaging.allgather import AllGather, plan_segments
 from swarmtrain.averaging.allreduce import AllReduce
+from swarmtrain.averaging.bans import Bans
 from swarmtrain.averaging.exchange import AllReduceResult, GroupExchange, digest_vote
 from swarmtrain.averaging.group import Group
 from swarmtrain.averaging.matchmaking import Matchmaker
@@ -74,6 +75,7 @@ class Averager:
         shapes: list[tuple[int, ...]] | None = None,
         aggregator: Aggregator | None = None,
         attack: Callable[[torch.Tensor, float], tuple[torch.Tensor, float]] | None = None,
+        ban_rounds: int = 0,
     ) -> None:
         self.transport = transport
         self.aggregator = aggregator or Aggregator()  # combines the round's updates (``robust``); state mixes: mean
@@ -88,6 +90,7 @@ class Averager:
         # Joins carry the parameter count, so a leader refuses a peer training another model shape.
         self.matchmaker = Matchmaker(transport, {**self.header, "numel": theta.numel()}, group_size)
         self.group_size = group_size
+        self.matchmaker.bans = Bans(self.me, ban_rounds)  # peers caught sending invalid payloads (``bans``)
         self.round = 0
         self.needs_catch_up = False
         self._buffers: dict[str, torch.Tensor] = {}
@@ -322,6 +325,7 @@ class Averager:
                 self.outer.theta.copy_(mixed.average[:numel])
                 self.outer.buf.copy_(mixed.average[numel:])
         result = await self._run(allreduce)
+        self.matchmaker.bans.record(getattr(allreduce, "invalid", {}), round_)  # AllReduce and AllGather keep it
         phases.update(result.phases)
         self.outer.step(result.average)
         digest = self.outer.digest()

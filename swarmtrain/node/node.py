@@ -156,7 +156,7 @@ class Node:
                 fail_at=avg.fail_at, error_feedback=avg.error_feedback,
                 shapes=trainer.shapes,
                 aggregator=parse_aggregator(avg.aggregator, private=bool(node.swarm_key or node.allow_peers)),
-                attack=attack,
+                attack=attack, ban_rounds=avg.ban_rounds,
             )  # fmt: skip
             self._trainer, self._averager = trainer, averager
             if checkpoint is not None:
