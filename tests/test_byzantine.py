@@ -144,3 +144,13 @@ async def test_a_peer_caught_sending_invalid_payloads_is_banned_from_the_next_ro
     last = outcomes[: len(honest)]
     assert all(o.group.size == len(honest) and o.outcome == "applied" for o in last), last
     assert all(o.group.size == 1 for o in outcomes[len(honest) :])
+
+
+def test_shards_rotate_so_a_member_left_out_every_round_does_not_freeze_the_same_coordinates() -> None:
+    from swarmtrain.averaging import Group
+
+    members = tuple(f"peer{i}" for i in range(3))
+    layouts = [Group(r, members, (1.0,) * 3).shard_bounds(10) for r in range(3)]
+    for bounds in layouts:
+        assert sorted(bounds) == [(0, 4), (4, 7), (7, 10)]  # contiguous, sizes differ by at most one
+    assert {layout[2] for layout in layouts} == {(0, 4), (4, 7), (7, 10)}  # member 2 reduces each slice once
