@@ -227,9 +227,39 @@ class AveragingConfig(_Section):
     """The deadline is this multiple of the slowest of the last few all-reduces."""
     min_gather_s: float = Field(3.0, gt=0.0)
     """The leader waits at least this long for late members (longer if inner phases are long)."""
+    aggregator: str = "auto"
+    """How a group combines its members' updates: mean, trimmed-mean, centered-clip or median, with optional
+    parameters ('centered-clip:tau=1,iters=5,clip=2,cap=2'; clip: norm clip at that multiple of the median norm,
+    cap: token weights at that multiple of the median). auto: mean in a private swarm (node.swarm_key or
+    node.allow_peers set),
+    centered-clip in a public one."""
+    ban_rounds: int = Field(10, ge=0, le=1_000_000)
+    """Rounds a peer caught sending an invalid payload (malformed, non-finite, out of bounds) is left out of this
+    node's groups, with the reason logged; 0 bans nobody."""
     fail_at: str = Field("", pattern=r"^(round=\d+,part=\d+)?$")
     """Fault injection for tests: 'round=R,part=P' makes this node kill itself (SIGKILL) right after sending
     its P-th part in round R. Empty (the default) injects nothing."""
+
+
+class AttackConfig(_Section):
+    kind: Literal["", "scale", "sign-flip", "nan", "random", "big-weight", "alie"] = ""
+    """TEST ONLY: make this node hostile (its contribution to every round is replaced; see
+    swarmtrain/averaging/attack.py). Empty (the default) is an honest node. Refused unless attack.test_only."""
+    test_only: bool = False
+    """Must be true for attack.kind to be accepted: a hostile node is for tests, benchmarks and scenarios only."""
+    scale: float = Field(10.0, gt=0.0, le=1e4)
+    """scale, sign-flip: the factor on the update; random: the noise norm as a multiple of the update's."""
+    z: float = Field(1.0, gt=0.0, le=100.0)
+    """alie: the shift in standard deviations per coordinate."""
+
+    @model_validator(mode="after")
+    def _check_test_only(self) -> AttackConfig:
+        if self.kind and not self.test_only:
+            raise ValueError(
+                f"attack.kind = {self.kind!r} makes this node send hostile updates; it exists for tests only: set "
+                "attack.test_only = true to run it on purpose, or remove attack.kind"
+            )
+        return self
 
 
 class Config(_Section):
@@ -247,6 +277,26 @@ class Config(_Section):
     """Outer step: groups, outer optimizer, codecs, deadlines."""
     localtrain: LocalTrainConfig = Field(default_factory=LocalTrainConfig)
     """Local training in stages on this machine's cores (`swarmtrain localtrain bench`, train.trainer)."""
+    attack: AttackConfig = Field(default_factory=AttackConfig)
+    """TEST ONLY: hostile behaviour for tests and benchmarks of robust aggregation."""
+
+    @model_validator(mode="after")
+    def _check_aggregator(self) -> Config:
+        from swarmtrain.averaging.robust import parse_aggregator
+
+        try:
+            private = bool(self.node.swarm_key or self.node.allow_peers)
+            agg = parse_aggregator(self.averaging.aggregator, private=private)
+        except ValueError as exc:
+            raise ValueError(f"averaging.aggregator: {exc}") from None
+        if agg.kind in ("median", "trimmed-mean") and self.averaging.codec.split(":")[0] in ("topk", "dct-topk"):
+            # A sparse payload is zero wherever its sender kept nothing: a per-coordinate median or trim of mostly
+            # zeros drops the update instead of averaging it.
+            raise ValueError(
+                f"averaging.aggregator = {agg.kind} works per coordinate and would discard sparse "
+                f"{self.averaging.codec} updates: use centered-clip or mean with this codec, or a dense codec"
+            )
+        return self
 
     @model_validator(mode="after")
     def _check_trainer(self) -> Config:

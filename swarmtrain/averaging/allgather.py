@@ -19,6 +19,9 @@ Phases, all bounded by the round's deadline:
    A sender whose payload was not applied adds it back to its error-feedback residual: nothing is lost.
 3. reduce: every member decodes the agreed contributions in member order, scales each by its token weight, sums and
    divides by the total weight. The same bytes and the same elementwise operations give bit-identical averages.
+   A robust aggregator (``averaging.aggregator``, see ``robust``) instead decodes every agreed contribution whole
+   (memory: one copy of the update per contributor) and combines them segment by segment, the norm clip measured
+   per segment.
    A contribution whose payload decodes to non-finite or huge values is dropped by everyone alike.
 """
 
@@ -35,6 +38,7 @@ import torch
 
 from swarmtrain.averaging.exchange import MAX_ABS_VALUE, AllReduceResult, GroupExchange, wait_or_dead
 from swarmtrain.averaging.group import Group
+from swarmtrain.averaging.robust import Aggregator
 from swarmtrain.compression import BaseCodec, CodecError, CodecState, get_codec, peek_header
 from swarmtrain.net import Rejected, Transport
 
@@ -104,6 +108,7 @@ class AllGather(GroupExchange):
         on_part_sent: Callable[[int], None] | None = None,
         tag: str = "",
         scratch: Callable[[str, int], torch.Tensor] | None = None,
+        aggregator: Aggregator | None = None,
     ) -> None:
         super().__init__(group, me, transport, header=header, deadline=deadline, on_part_sent=on_part_sent, tag=tag)
         self.delta = delta
@@ -115,6 +120,8 @@ class AllGather(GroupExchange):
         self.decoded = alloc(f"{tag}decoded", delta.numel())
         self.payloads: dict[str, list[bytes]] = {p: [] for p in group.members}
         self.complete = {p: asyncio.Event() for p in group.members}
+        self.aggregator = aggregator or Aggregator()  # how the agreed contributions combine (``robust``)
+        self.invalid: dict[str, str] = {}  # senders of payloads refused on their merits, and why (``bans``)
 
     def _contributes(self, peer: str) -> bool:
         return self.group.weights[self.group.index(peer)] > 0
@@ -133,7 +140,11 @@ class AllGather(GroupExchange):
             async for frame in frames:
                 if self.closed:
                     raise Rejected("the exchange is over")
-                self._check_frame(len(received), frame)
+                try:
+                    self._check_frame(len(received), frame)
+                except Rejected as exc:
+                    self.invalid.setdefault(sender, str(exc))
+                    raise
                 received.append(frame)
         except Rejected as exc:
             received.clear()
@@ -233,22 +244,48 @@ class AllGather(GroupExchange):
         return digest.hexdigest()[:24]
 
     def _reduce(self, applied: list[bool]) -> None:
-        """The token-weighted average of the agreed contributions, in member order; ``applied`` is updated
-        for contributions that fail to decode (every member fails them alike)."""
+        """The combination of the agreed contributions, in member order; ``applied`` is updated for contributions
+        that fail to decode (every member fails them alike)."""
+        weights = self.aggregator.cap_weights(self.group.weights)
+        if not self.aggregator.plain:
+            self._reduce_robust(applied, weights)
+            return
         self.average.zero_()
         total = 0.0
         for j, peer in enumerate(self.group.members):
-            weight = self.group.weights[j]
+            weight = weights[j]
             if not applied[j] or weight <= 0:
                 continue
             if not self._decode_into(self.decoded, self.payloads[peer]):
-                applied[j] = False
+                self._refuse(j, peer, applied)
                 continue
             # Scale then add (no fused multiply-add), so every CPU rounds the same way.
             self.average.add_(self.decoded.mul_(weight))
             total += weight
         if total > 0:
             self.average.div_(total)
+
+    def _reduce_robust(self, applied: list[bool], weights: list[float]) -> None:
+        rows: list[torch.Tensor] = []
+        used: list[float] = []
+        for j, peer in enumerate(self.group.members):
+            if not applied[j] or weights[j] <= 0:
+                continue
+            row = torch.empty(self.delta.numel())
+            if not self._decode_into(row, self.payloads[peer]):
+                self._refuse(j, peer, applied)
+                continue
+            rows.append(row)
+            used.append(weights[j])
+        if not rows:
+            self.average.zero_()
+            return
+        for seg in self.segments:
+            self.aggregator.reduce([r[seg.start : seg.end] for r in rows], used, self.average[seg.start : seg.end])
+
+    def _refuse(self, j: int, peer: str, applied: list[bool]) -> None:
+        applied[j] = False  # every member fails the same bytes alike
+        self.invalid.setdefault(peer, "its payload decodes to non-finite or out-of-bound values")
 
     def _decode_into(self, out: torch.Tensor, frames: list[bytes]) -> bool:
         for seg, frame in zip(self.segments, frames, strict=True):

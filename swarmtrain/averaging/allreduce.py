@@ -32,6 +32,7 @@ import torch
 
 from swarmtrain.averaging.exchange import MAX_ABS_VALUE, AllReduceResult, GroupExchange, wait_or_dead
 from swarmtrain.averaging.group import Group
+from swarmtrain.averaging.robust import Aggregator
 from swarmtrain.compression import Codec, CodecError, CodecState
 from swarmtrain.net import Rejected, Transport
 
@@ -71,6 +72,7 @@ class AllReduce(GroupExchange):
         tag: str = "",
         scratch: Callable[[str, int], torch.Tensor] | None = None,
         residual: torch.Tensor | None = None,
+        aggregator: Aggregator | None = None,
     ) -> None:
         super().__init__(group, me, transport, header=header, deadline=deadline, on_part_sent=on_part_sent, tag=tag)
         self.delta = delta
@@ -90,6 +92,8 @@ class AllReduce(GroupExchange):
         # back to the residual for every shard the group did not apply, so nothing I contributed is lost.
         self.sent = alloc(f"{tag}sent", delta.numel()) if residual is not None else None
         self.encoded: list[tuple[int, int]] = []  # the ranges of ``sent`` written this round
+        self.aggregator = aggregator or Aggregator()  # how a reducer combines a part's contributions (``robust``)
+        self.invalid: dict[str, str] = {}  # senders of payloads refused on their merits, and why (``bans``)
 
     # ---- helpers ----------------------------------------------------------------------------------------
 
@@ -136,6 +140,7 @@ class AllReduce(GroupExchange):
             self._store(box, header, body, self.codec_up, "part")
         except Rejected as exc:
             # Left out of this round entirely: nobody waits for its parts, results or report any more.
+            self.invalid.setdefault(sender, str(exc))
             self.bad_senders.add(sender)
             self.liveness.mark_dead(sender, f"sent a bad payload ({exc})")
             raise
@@ -213,11 +218,13 @@ class AllReduce(GroupExchange):
     async def _reduce_and_broadcast(self) -> None:
         """Reduce my shard part by part, streaming each averaged part as soon as its contributions are in.
 
-        Part p averages the senders whose part p arrived (weighted by tokens); a sender that dies or misbehaves
-        mid-shard is left out of the parts not yet reduced. Whatever the mix, every member receives the same
+        Part p combines the senders whose part p arrived with the round's aggregator (by default their token-weighted
+        mean; see ``robust`` for the norm clip, measured per part); a sender that dies or misbehaves mid-shard is
+        left out of the parts not yet reduced. Whatever the mix, every member receives the same
         bytes for part p, so replicas stay identical.
         """
-        members, weights = self.group.members, self.group.weights
+        members = self.group.members
+        weights = self.aggregator.cap_weights(self.group.weights)  # the group's agreed weights: capped alike
         contributors = [p for p, w in zip(members, weights, strict=True) if w > 0]
         start, end = self.bounds[self.index]
         parts = self._parts(end - start)
@@ -252,10 +259,9 @@ class AllReduce(GroupExchange):
                     # Nothing to average: the shard is missing for everyone (the agreed fallback), never zeros.
                     log.info("shard %d part %d: no contribution arrived; the shard falls back", self.index, p)
                     break
-                total = sum(weights[i] for i in included)
                 average = torch.zeros(e - s)
-                for i in included:
-                    average.add_(self.inbox[members[i]].buffer[s:e], alpha=weights[i] / total)
+                rows = [self.inbox[members[i]].buffer[s:e] for i in included]
+                self.aggregator.reduce(rows, [weights[i] for i in included], average)
                 ready[p] = self.codec_down.encode(average)
                 produced[p].set()
                 self._deliver_locally("results", header, p, ready[p])

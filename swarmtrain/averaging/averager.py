@@ -19,10 +19,12 @@ import torch
 
 from swarmtrain.averaging.allgather import AllGather, plan_segments
 from swarmtrain.averaging.allreduce import AllReduce
+from swarmtrain.averaging.bans import Bans
 from swarmtrain.averaging.exchange import AllReduceResult, GroupExchange, digest_vote
 from swarmtrain.averaging.group import Group
 from swarmtrain.averaging.matchmaking import Matchmaker
 from swarmtrain.averaging.outer import OuterOptimizer
+from swarmtrain.averaging.robust import Aggregator
 from swarmtrain.averaging.statesync import CHUNK_BYTES, SnapshotStore, download_state
 from swarmtrain.compression import BaseCodec, CodecState, all_finite, get_codec
 from swarmtrain.net import Handler, Rejected, StreamHandler, Transport
@@ -71,8 +73,13 @@ class Averager:
         fail_at: str = "",
         error_feedback: bool = True,
         shapes: list[tuple[int, ...]] | None = None,
+        aggregator: Aggregator | None = None,
+        attack: Callable[[torch.Tensor, float], tuple[torch.Tensor, float]] | None = None,
+        ban_rounds: int = 0,
     ) -> None:
         self.transport = transport
+        self.aggregator = aggregator or Aggregator()  # combines the round's updates (``robust``); state mixes: mean
+        self.attack = attack  # tests only (``attack.kind``): turns my honest update into a hostile one
         self.me = transport.peer_id
         self.run_id = run_id
         self.header = {"run": run_id, "v": PROTOCOL_VERSION}
@@ -85,6 +92,7 @@ class Averager:
             transport, {**self.header, "numel": theta.numel()}, group_size, min_budget_s=deadline_factor * min_deadline
         )
         self.group_size = group_size
+        self.matchmaker.bans = Bans(self.me, ban_rounds)  # peers caught sending invalid payloads (``bans``)
         self.round = 0
         self.needs_catch_up = False
         self._buffers: dict[str, torch.Tensor] = {}
@@ -269,6 +277,8 @@ class Averager:
             delta, weight = torch.zeros_like(delta), 0.0
         elif weight > 0:
             delta = self._with_stale(delta, round_)
+        if self.attack is not None and weight > 0:
+            delta, weight = self.attack(delta, weight)  # after the finiteness check: a hostile node skips it
         own = self.deadline_s()
         group = await self.matchmaker.form_group(
             round_, weight, self.outer.digest(), candidates, expected, gather_timeout, own, self.deadline_factor * own
@@ -318,6 +328,7 @@ class Averager:
                 self.outer.theta.copy_(mixed.average[:numel])
                 self.outer.buf.copy_(mixed.average[numel:])
         result = await self._run(allreduce)
+        self.matchmaker.bans.record(getattr(allreduce, "invalid", {}), round_)  # AllReduce and AllGather keep it
         phases.update(result.phases)
         self.outer.step(result.average)
         digest = self.outer.digest()
@@ -425,13 +436,14 @@ class Averager:
             allreduce = AllGather(
                 group, self.me, vector, self.transport, header=self.header, segments=self.segments,
                 deadline=deadline, states=self.codec_states if residual is not None else None, residual=residual,
-                on_part_sent=fault, tag=tag, scratch=self._scratch,
+                on_part_sent=fault, tag=tag, scratch=self._scratch, aggregator=self.aggregator,
             )  # fmt: skip
         else:
             allreduce = AllReduce(
                 group, self.me, vector, self.transport, header=self.header, codec_up=codec or self.codec_up,
                 codec_down=codec or self.codec_down, part_numel=self.part_numel, deadline=deadline,
                 on_part_sent=fault, tag=tag, scratch=self._scratch, residual=residual,
+                aggregator=self.aggregator if codec is None else None,  # theta_g mixes by the plain mean
             )  # fmt: skip
         route = self._route(allreduce.route)
         if not route.done():

@@ -33,14 +33,20 @@ class Group:
         return self.members.index(peer)
 
     def shard_bounds(self, numel: int) -> list[tuple[int, int]]:
-        """Contiguous shards, one per member, sizes differing by at most one element."""
+        """The shard each member reduces (by member index): contiguous slices whose sizes differ by at most one.
+
+        The slices rotate by one member per round: a member that never delivers its shard (it stalls, or every
+        round sends a payload the others refuse, and is left out) would otherwise keep the same coordinates from
+        ever being updated; rotated, each slice misses at most the rounds it lands on such a member.
+        """
         base, extra = divmod(numel, self.size)
-        bounds, start = [], 0
+        slices, start = [], 0
         for i in range(self.size):
             end = start + base + (1 if i < extra else 0)
-            bounds.append((start, end))
+            slices.append((start, end))
             start = end
-        return bounds
+        shift = self.round % self.size
+        return slices[shift:] + slices[:shift]
 
 
 def gossip_groups(peers: list[str], group_size: int, run_id: str, round_: int) -> list[list[str]]:

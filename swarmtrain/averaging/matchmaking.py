@@ -15,6 +15,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from swarmtrain.averaging.bans import Bans
 from swarmtrain.averaging.group import Group
 from swarmtrain.errors import IncompatibleSwarm
 from swarmtrain.net import PeerUnreachable, Rejected, RemoteError, RpcTimeout, Transport
@@ -57,6 +58,7 @@ class Matchmaker:
         self.min_budget_s = min_budget_s
         self.lobbies: dict[int, Lobby] = {}
         self.join_timeout = 60.0
+        self.bans = Bans(self.me, 0)  # set by the averager (``averaging.ban_rounds``)
         # Set while this node catches up with the swarm: it will not lead a round it is behind on, so joiners are
         # sent on to the next candidate at once instead of waiting on it until their join timeout.
         self._catching_up = asyncio.Event()
@@ -88,6 +90,9 @@ class Matchmaker:
             raise Rejected(f"round {round_} is too far ahead of this peer's round {current_round}")
         if self.catching_up:
             raise self._behind(current_round)
+        banned = self.bans.reason(sender, round_)
+        if banned is not None:
+            raise Rejected(f"this peer has {banned}", code="banned")
         weight = check_weight(header.get("weight"))
         digest = header.get("digest")
         if not isinstance(digest, str) or len(digest) > 64:
@@ -157,6 +162,10 @@ class Matchmaker:
         due, from a different view than the others).
         """
         lobby = self._lobby(round_)
+        banned = self.bans.active(round_)
+        if banned:
+            candidates = [c for c in candidates if c not in banned]
+            expected = expected - banned.keys()
         queue, tried, broken = list(candidates), set(), set()
         # A peer that redirects to a leader I found dead is failing over itself: it pings that leader a few times
         # (seconds under load) before it leads; ask it again until then rather than lead a group of my own.

@@ -13,8 +13,10 @@ are caught by the digest vote (the minority resyncs), not prevented. After every
 (b) every member leaves the round within its bound (``Averager.budget_s``);
 (c) no member that confirmed the round applied a slot (shard or payload) another one fell back on;
 (d) with a dense codec and no momentum, theta_g is unchanged where the round fell back (and with fp32 the member's
-    residual holds all it contributed there), and with fp32 it is the token-weighted average of a set of
-    contributions where it applied.
+    residual holds all it contributed there), and with fp32 and the plain mean it is the token-weighted average of
+    a set of contributions where it applied.
+
+Each seed also draws the group's aggregator (``robust``), so (a)-(c) hold for the robust ones too.
 
 Replay one seed (prints every violation; ``--log INFO`` shows the members' logs):
 ``python -m swarmtrain.averaging.sim --seed 17 --rounds 2``.
@@ -37,6 +39,8 @@ from typing import Any
 import torch
 
 from swarmtrain.averaging.averager import DIGEST_SHARE, Averager, RoundOutcome
+from swarmtrain.averaging.robust import KINDS as AGGREGATORS
+from swarmtrain.averaging.robust import parse_aggregator
 from swarmtrain.compression import get_codec
 from swarmtrain.net import MemoryNetwork, PeerUnreachable, RpcTimeout
 
@@ -212,6 +216,9 @@ async def simulate(seed: int, rounds: int = 2) -> list[str]:
     codec = rng.choice(CODECS)
     lr, momentum = rng.choice([(1.0, 0.0), (0.7, 0.9)])
     part_numel = rng.choice([16, 64, 1000])
+    # The aggregator comes from its own generator: the schedules every seed replays stay as they were.
+    kinds = ("mean", "centered-clip") if codec.startswith(("topk", "dct")) else AGGREGATORS
+    aggregator = parse_aggregator(random.Random(seed ^ 0x5EED).choice(kinds))
     net = MemoryNetwork()
     faults = Faults(net)
     members = []
@@ -221,12 +228,15 @@ async def simulate(seed: int, rounds: int = 2) -> list[str]:
         averager = Averager(
             transport, torch.zeros(numel), run_id="sim", group_size=16, outer_lr=lr, outer_momentum=momentum,
             codec_up=get_codec(codec), codec_down=get_codec(codec), part_numel=part_numel,
-            min_deadline=1.0, deadline_factor=4.0,
+            min_deadline=1.0, deadline_factor=4.0, aggregator=aggregator,
         )  # fmt: skip
         await averager.start()
         members.append(Member(averager))
     violations: list[str] = []
-    setup = f"seed {seed}: {n} members, numel {numel} in parts of {part_numel}, {codec}, lr {lr}, momentum {momentum}"
+    setup = (
+        f"seed {seed}: {n} members, numel {numel} in parts of {part_numel}, {codec}, lr {lr}, momentum {momentum}, "
+        f"{aggregator.spec}"
+    )
     for round_ in range(rounds):
         live = [m for m in members if m.alive and not m.out]
         if len(live) < 2:
@@ -248,7 +258,9 @@ async def simulate(seed: int, rounds: int = 2) -> list[str]:
         context = f"{setup}; round {round_}: weights {weights}; faults {faults.fired}"
         for m in live:
             m.alive = m.averager.me not in net.dead
-        found = _check(live, outcomes, weights, deltas, before, own, codec, momentum, set(faults.frozen))
+        found = _check(
+            live, outcomes, weights, deltas, before, own, codec, momentum, set(faults.frozen), aggregator.plain
+        )
         violations += [f"{context}: {v}" for v in found]
         for m, o in zip(live, outcomes, strict=True):
             if isinstance(o, RoundOutcome) and o.outcome == "diverged":
@@ -267,6 +279,7 @@ def _check(
     codec: str,
     momentum: float,
     frozen: set[str],
+    plain_mean: bool = True,
 ) -> list[str]:
     found = []
     survivors = [(i, m, o) for i, (m, o) in enumerate(zip(live, outcomes, strict=True)) if m.alive]
@@ -323,8 +336,12 @@ def _check(
                 owed = before[i][1][s:e] + (deltas[i][s:e] if weights[i] > 0 else 0)
                 if codec == "fp32" and not torch.allclose(_residual(m.averager)[s:e], owed, rtol=1e-5, atol=1e-6):
                     found.append(f"(d) {m.averager.me}: shard {j} fell back but its residual lost or doubled it")
-            elif codec == "fp32" and not _subset_average(
-                [deltas[k][s:e] + before[k][1][s:e] for k in order], [weights[k] for k in order], change
+            elif (
+                codec == "fp32"
+                and plain_mean
+                and not _subset_average(
+                    [deltas[k][s:e] + before[k][1][s:e] for k in order], [weights[k] for k in order], change
+                )
             ):
                 found.append(f"(d) {m.averager.me}: shard {j} is not a weighted average of contributions")
     return found

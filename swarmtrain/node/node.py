@@ -26,6 +26,8 @@ from hivemind.p2p import P2P
 from hivemind.utils.crypto import RSAPrivateKey
 
 from swarmtrain.averaging import PROTOCOL_VERSION, Averager, RoundOutcome, leader_candidates
+from swarmtrain.averaging.attack import Attack
+from swarmtrain.averaging.robust import parse_aggregator
 from swarmtrain.compression import get_codec
 from swarmtrain.config import Config, write_resolved
 from swarmtrain.data import load_corpus
@@ -124,6 +126,9 @@ class Node:
         corpus.check_context(config.model.context)
         checkpoint = open_run_dir(config, self.resume)  # before anything is written to the run directory
         codec_up, codec_down = get_codec(avg.codec), get_codec(avg.codec_down or avg.codec)
+        attack = _hostile(config, node.data_seed or 0)
+        if attack is not None:
+            codec_up = attack.wrap_codec(codec_up)  # ``nan`` writes NaN payloads
         identity = Path(node.identity) if node.identity else self.run_dir / "identity.key"
         configure_threads(config.train.threads)
         auth = load_auth(node.swarm_key, node.allow_peers)  # a bad key file stops the node before it starts
@@ -150,6 +155,8 @@ class Node:
                 part_numel=avg.part_numel, min_deadline=avg.min_deadline_s, deadline_factor=avg.deadline_factor,
                 fail_at=avg.fail_at, error_feedback=avg.error_feedback,
                 shapes=trainer.shapes,
+                aggregator=parse_aggregator(avg.aggregator, private=bool(node.swarm_key or node.allow_peers)),
+                attack=attack, ban_rounds=avg.ban_rounds,
             )  # fmt: skip
             self._trainer, self._averager = trainer, averager
             if checkpoint is not None:
@@ -456,3 +463,11 @@ class Node:
         tensors.update({f"outer.{k}": v for k, v in averager.outer.state_tensors().items()})
         meta.update({"round": averager.round, "digest": averager.outer.digest()})
         save_checkpoint(self.run_dir, tensors, meta, keep=self.config.train.keep_checkpoints)
+
+
+def _hostile(config: Config, seed: int) -> Attack | None:
+    """The test-only attack of ``attack.kind`` (the config refuses it without ``attack.test_only``)."""
+    if not config.attack.kind:
+        return None
+    log.warning("TEST ONLY: this node is hostile (attack.kind = %s): its updates are not honest", config.attack.kind)
+    return Attack(config.attack.kind, scale=config.attack.scale, z=config.attack.z, seed=seed)

@@ -1,0 +1,82 @@
+"""Hostile contributions, for tests, benchmarks and scenarios only (``attack.kind``; refused unless
+``attack.test_only = true``).
+
+A hostile node trains like any other, then replaces what it contributes to the round (its update and its claimed
+token weight) just before the group forms. The kinds are the aggregation attacks of the Byzantine-robust
+training literature:
+
+- ``scale``: the update times ``scale`` (a large, well-formed vector in the honest direction).
+- ``sign-flip``: the update times ``-scale`` (pushes the model uphill).
+- ``nan``: every value NaN. Our encoder refuses non-finite values, so the node's uplink codec is wrapped
+  (``wrap_codec``) to write NaN payloads the way a hostile peer's own code would; a receiver's payload check must
+  refuse them. Dense codecs and chunked sparse ones; PowerSGD's per-matrix codecs are not wrapped.
+- ``random``: Gaussian noise whose norm is ``scale`` times the update's.
+- ``big-weight``: the negated update, with its claimed token weight multiplied by 1e6 (capped at the protocol's
+  bound), so a token-weighted mean follows the attacker almost entirely.
+- ``alie``: "A little is enough" (Baruch et al. 2019): a shift of ``z`` standard deviations per coordinate, small
+  enough to hide among honest updates. Without colluding, a node only knows its own update, so it estimates the
+  honest mean by its update and the per-coordinate spread by the update's RMS: ``delta - z * rms * sign(delta)``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from swarmtrain.averaging.matchmaking import MAX_WEIGHT
+from swarmtrain.compression import BaseCodec, CodecState
+from swarmtrain.compression.wire import pack_header
+
+KINDS = ("scale", "sign-flip", "nan", "random", "big-weight", "alie")
+BIG_WEIGHT = 1e6
+
+
+@dataclass
+class Attack:
+    kind: str
+    scale: float = 10.0
+    z: float = 1.0
+    seed: int = 0
+    _noise: torch.Generator = field(init=False, repr=False)  # ``random``: fresh noise every round, seeded
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"unknown attack kind {self.kind!r}: use one of {', '.join(KINDS)}")
+        self._noise = torch.Generator().manual_seed(self.seed)
+
+    def __call__(self, delta: torch.Tensor, weight: float) -> tuple[torch.Tensor, float]:
+        """My hostile contribution and claimed weight in place of the honest ``delta`` and ``weight``."""
+        if self.kind == "scale":
+            return delta * self.scale, weight
+        if self.kind == "sign-flip":
+            return delta * -self.scale, weight
+        if self.kind == "nan":
+            return delta, weight  # the payloads carry the NaNs (``wrap_codec``)
+        if self.kind == "random":
+            noise = torch.randn(delta.shape, generator=self._noise)
+            return noise * (self.scale * float(delta.norm()) / max(float(noise.norm()), 1e-30)), weight
+        if self.kind == "big-weight":
+            return -delta, min(weight * BIG_WEIGHT, MAX_WEIGHT)
+        rms = float(delta.square().mean().sqrt())
+        return delta - self.z * rms * torch.sign(delta), weight
+
+    def wrap_codec(self, codec: BaseCodec) -> BaseCodec:
+        """The uplink codec a node with this attack sends with: ``nan`` writes NaN payloads, the others encode."""
+        return _NanCodec(codec) if self.kind == "nan" else codec  # type: ignore[return-value]
+
+
+class _NanCodec:
+    """Proxy of a codec whose payloads hold NaN in every value, well-formed otherwise (a hostile sender's)."""
+
+    def __init__(self, inner: BaseCodec) -> None:
+        self.inner = inner
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def encode(self, tensor: torch.Tensor, state: CodecState | None = None) -> bytes:
+        x = torch.full((tensor.numel(),), float("nan"))
+        params, body = self.inner._encode(x, None)
+        return b"".join([pack_header(self.inner.codec_id, x.numel(), params), *body])

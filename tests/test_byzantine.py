@@ -1,0 +1,156 @@
+"""Hostile group members in process (memory transport): every attack kind of ``attack.kind`` against the robust
+default and against the plain mean.
+
+Eight members, two of them hostile, FedAvg outer step (lr 1, no momentum), so theta_g moves by exactly the group's
+combined update. Honest updates are a shared direction plus noise. Checked every round: the honest members apply
+bit-identical states (one digest), theta_g stays finite, and the applied update is within HALF the honest mean's
+norm of the honest mean (the bound); with ``mean`` the same attack (but nan, which the payload check refuses for
+every aggregator) moves it further than that, so the test can fail.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from swarmtrain.averaging import Averager, leader_candidates
+from swarmtrain.averaging.attack import KINDS, Attack
+from swarmtrain.averaging.robust import parse_aggregator
+from swarmtrain.compression import get_codec
+from swarmtrain.config import Config
+from swarmtrain.net import MemoryNetwork
+
+NUMEL = 8_000
+MEMBERS, HOSTILE = 8, 2
+BOUND = 0.5  # |applied - honest mean| <= BOUND * |honest mean|
+
+
+def make_group(aggregator: str, kind: str, codec: str = "fp32") -> list[Averager]:
+    net = MemoryNetwork()
+    averagers = []
+    for i in range(MEMBERS):
+        attack = Attack(kind, seed=i) if i >= MEMBERS - HOSTILE else None
+        up = attack.wrap_codec(get_codec(codec)) if attack else get_codec(codec)
+        averagers.append(
+            Averager(
+                net.transport(f"peer{i}"),
+                torch.zeros(NUMEL),
+                run_id="test",
+                group_size=16,
+                outer_lr=1.0,
+                outer_momentum=0.0,
+                codec_up=up,
+                codec_down=get_codec(codec),
+                part_numel=2_000,
+                min_deadline=1.0,
+                deadline_factor=4.0,
+                aggregator=parse_aggregator(aggregator),
+                attack=attack,
+            )  # fmt: skip
+        )
+    return averagers
+
+
+async def deviation_per_round(
+    averagers: list[Averager], rounds: int = 2, weight_of=lambda i: 100.0 + 10 * i, kinds_fall_back: bool = False
+):
+    """Run ``rounds`` rounds; per round, the applied update's distance to the honest mean over its norm."""
+    for a in averagers:
+        await a.start()
+    peers = [a.me for a in averagers]
+    honest = averagers[: MEMBERS - HOSTILE]
+    generator = torch.Generator().manual_seed(1)
+    deviations = []
+    for _ in range(rounds):
+        signal = torch.randn(NUMEL, generator=generator)
+        deltas = [signal + 0.3 * torch.randn(NUMEL, generator=generator) for _ in averagers]
+        weights = [weight_of(i) for i in range(MEMBERS)]
+        before = honest[0].outer.theta.clone()
+        outcomes = await asyncio.gather(
+            *(
+                a.run_round(d, w, leader_candidates(peers, a.me, 16, "test", a.round), set(peers), gather_timeout=5.0)
+                for a, d, w in zip(averagers, deltas, weights, strict=True)
+            )
+        )
+        digests = {o.digest for o in outcomes[: len(honest)]}
+        assert len(digests) == 1, f"honest members hold {len(digests)} different states: {outcomes[: len(honest)]}"
+        assert all(o.group.size == MEMBERS for o in outcomes), [o.group.size for o in outcomes]
+        theta = honest[0].outer.theta
+        assert bool(torch.isfinite(theta).all()), "theta_g is not finite"
+        hw = weights[: len(honest)]
+        honest_mean = sum(w * d for w, d in zip(hw, deltas, strict=False)) / sum(hw)
+        applied = before - theta  # FedAvg: theta_g -= combined update
+        if kinds_fall_back:
+            # Shards whose reducer was left out fall back to no update alike: measure where the group applied.
+            bounds = outcomes[0].group.shard_bounds(NUMEL)
+            kept = torch.cat(
+                [torch.arange(s, e) for (s, e), ok in zip(bounds, outcomes[0].decisions, strict=False) if ok]
+            )
+            assert torch.equal(applied[~torch.isin(torch.arange(NUMEL), kept)], torch.zeros(NUMEL - len(kept)))
+            applied, honest_mean = applied[kept], honest_mean[kept]
+        deviations.append(float((applied - honest_mean).norm() / honest_mean.norm()))
+    return deviations
+
+
+@pytest.mark.parametrize("kind", KINDS)
+async def test_the_robust_default_bounds_each_attack_and_keeps_honest_replicas_identical(kind: str) -> None:
+    default = Config().averaging.aggregator  # auto: the public-swarm default
+    deviations = await deviation_per_round(make_group(default, kind), kinds_fall_back=kind == "nan")
+    assert max(deviations) <= BOUND, f"{kind} moved theta_g by {deviations} of the honest update (bound {BOUND})"
+
+
+@pytest.mark.parametrize("kind", [k for k in KINDS if k != "nan"])
+async def test_with_the_plain_mean_the_same_attack_moves_the_model(kind: str) -> None:
+    deviations = await deviation_per_round(make_group("mean", kind), rounds=1)
+    floor = 0.1 if kind == "alie" else BOUND  # alie is small by design: it hides among honest updates
+    assert min(deviations) > floor, f"{kind} with mean moved theta_g by only {deviations}"
+
+
+async def test_nan_payloads_are_refused_by_every_aggregator_and_the_round_stays_finite() -> None:
+    deviations = await deviation_per_round(make_group("mean", "nan"), rounds=1, kinds_fall_back=True)
+    assert max(deviations) <= BOUND  # the hostile senders are left out; their own shards fall back to no update
+
+
+async def test_all_gathered_payloads_are_combined_robustly_too() -> None:
+    # top-k at 25 % drops most of each honest payload, so the honest reference is itself far from what any
+    # aggregator applies: the bound here is 1 (not BOUND), and the scaled attack moves the mean past 2.
+    attacked = await deviation_per_round(make_group("centered-clip", "scale", "topk:frac=0.25"), rounds=1)
+    mean = await deviation_per_round(make_group("mean", "scale", "topk:frac=0.25"), rounds=1)
+    assert max(mean) > 2 and max(attacked) < 1, (attacked, mean)
+
+
+async def test_a_peer_caught_sending_invalid_payloads_is_banned_from_the_next_rounds_groups() -> None:
+    """Round 0: both nan senders are refused and banned by every honest member. Round 1: the honest members
+    form their group without them and apply the whole update; the banned ones are refused with the reason."""
+    averagers = make_group("centered-clip", "nan")
+    for a in averagers:
+        a.matchmaker.bans.rounds = 3
+        await a.start()
+    peers = [a.me for a in averagers]
+    honest, hostile = averagers[: MEMBERS - HOSTILE], averagers[MEMBERS - HOSTILE :]
+    for round_ in range(2):
+        deltas = [torch.randn(NUMEL) for _ in averagers]
+        runs = [
+            a.run_round(d, 1.0, leader_candidates(peers, a.me, 16, "test", a.round), set(peers), gather_timeout=1.0)
+            for a, d in zip(averagers, deltas, strict=True)
+        ]
+        outcomes = await asyncio.gather(*runs)
+        assert len({o.digest for o in outcomes[: len(honest)]}) == 1
+        for a in honest:
+            assert set(a.matchmaker.bans.active(round_ + 1)) == {h.me for h in hostile}
+            assert "non-finite" in (a.matchmaker.bans.reason(hostile[0].me, round_ + 1) or "")
+    last = outcomes[: len(honest)]
+    assert all(o.group.size == len(honest) and o.outcome == "applied" for o in last), last
+    assert all(o.group.size == 1 for o in outcomes[len(honest) :])
+
+
+def test_shards_rotate_so_a_member_left_out_every_round_does_not_freeze_the_same_coordinates() -> None:
+    from swarmtrain.averaging import Group
+
+    members = tuple(f"peer{i}" for i in range(3))
+    layouts = [Group(r, members, (1.0,) * 3).shard_bounds(10) for r in range(3)]
+    for bounds in layouts:
+        assert sorted(bounds) == [(0, 4), (4, 7), (7, 10)]  # contiguous, sizes differ by at most one
+    assert {layout[2] for layout in layouts} == {(0, 4), (4, 7), (7, 10)}  # member 2 reduces each slice once

@@ -1,0 +1,41 @@
+"""Hostile node processes (``attack.kind``, test only): real nodes on loopback, one of them sending hostile updates."""
+
+from __future__ import annotations
+
+import math
+import subprocess
+import sys
+
+import pytest
+
+from .swarm import Swarm
+from .test_swarm import digests_by_round
+
+
+def test_a_node_refuses_an_attack_not_marked_test_only() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "swarmtrain", "node", "--set", "attack.kind=scale"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "attack.test_only = true" in proc.stdout + proc.stderr
+
+
+@pytest.mark.slow
+def test_a_sign_flipping_node_leaves_the_honest_nodes_identical_and_finite(swarm: Swarm) -> None:
+    """Three honest nodes and one that sends -100 x its update, under the public default aggregator (auto)."""
+    names = ["n0", "n1", "n2", "bad"]
+    hostile = ["attack.kind=sign-flip", "attack.scale=100", "attack.test_only=true"]
+    swarm.start("n0", 3, extra=["node.min_peers=4"])
+    first = swarm.join_line("n0")
+    for name in names[1:]:
+        swarm.start(name, 3, join=first, extra=["node.min_peers=4", *(hostile if name == "bad" else [])])
+    swarm.wait(names, timeout=240)
+    assert "TEST ONLY: this node is hostile" in (swarm.root / "bad" / "node.log").read_text()
+    table = digests_by_round(swarm, names[:3])
+    assert sorted(table) == [0, 1, 2]
+    for round_, digests in table.items():
+        assert len(digests) == 3 and len(set(digests.values())) == 1, (round_, digests)
+    assert all(r["group_size"] == 4 for r in swarm.rounds("n0")), swarm.rounds("n0")
+    final = [r for r in swarm.metrics("n0") if r["kind"] == "final"][0]
+    assert math.isfinite(final["bpb"]) and final["bpb"] < 8.0, final
