@@ -6,6 +6,9 @@ swarmtrain scenario run scenarios/churn-drop-one.toml --out runs/churn
 
 from __future__ import annotations
 
+import time
+from pathlib import Path
+
 import click
 
 from swarmtrain.scenarios.spec import load_spec
@@ -28,3 +31,25 @@ def check(path: str) -> None:
         f"{path}: ok: {len(spec.nodes)} nodes ({len(start)} at the start), {length}, {len(spec.events)} events, "
         f"{len(spec.repeats)} repeating events"
     )
+
+
+@scenario_group.command()
+@click.argument("path", type=click.Path(dir_okay=False))
+@click.option("--out", type=str, help="Folder for the nodes' runs and the report (default: runs/<name>-<time>).")
+def run(path: str, out: str | None) -> None:
+    """Run the scenario PATH: a bootstrap peer and real node processes on loopback, the timeline applied, live
+    progress lines, then a report (summary.md, merged metrics, plots) in the --out folder. Ctrl+C stops every
+    process it started."""
+    from swarmtrain.scenarios.report import write_report
+    from swarmtrain.scenarios.runner import run_scenario
+
+    spec = load_spec(path)
+    folder = Path(out or f"runs/{Path(path).stem}-{time.strftime('%Y%m%d-%H%M%S')}")
+    try:
+        run_scenario(spec, folder)
+    except KeyboardInterrupt:
+        if (folder / "run.json").exists():  # every process is stopped by now; report what ran
+            click.echo(f"stopped; the report of what ran: {write_report(folder)}", err=True)
+        raise
+    summary = write_report(folder)
+    click.echo(f"report: {summary}")
