@@ -132,3 +132,37 @@ def test_scenario_check_prints_ok_or_the_error_with_exit_code_2(
         main(["scenario", "check", str(bad)])
     assert exit_info.value.code == 2
     assert f"{bad}:2: swarm.nodes: must be a whole number >= 1" in capsys.readouterr().err.replace("\n", "")
+
+
+def test_links_default_from_swarm_a_node_overrides_them_and_a_link_event_carries_its_rates() -> None:
+    spec = parse_spec(
+        "[swarm]\nnodes = 2\nrounds = 3\nlink = { up_mbit = 100, down_mbit = 50 }\n"
+        "[nodes.node1]\nlink = { up_mbit = 2 }\n"
+        '[[event]]\nat_s = 3\naction = "link"\nnodes = ["node0"]\ndown_mbit = 10\n'
+        '[[repeat]]\naction = "partition"\nnodes = "random"\nevery_s = 5\nback_after_s = 2\n'
+    )
+    assert [(n.up_mbit, n.down_mbit) for n in spec.nodes] == [(100.0, 50.0), (2.0, None)]
+    (event,) = spec.events
+    assert (event.up_mbit, event.down_mbit) == (None, 10.0) and spec.shaped
+    assert not parse_spec("[swarm]\nnodes = 2\nrounds = 3\n").shaped
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("link = { up_mbit = 100, latency_ms = 50 }", "bad.toml:4: swarm.link.latency_ms: is not supported: links"),
+        ("link = { up_mbit = 0 }", "bad.toml:4: swarm.link.up_mbit: must be positive Mbit/s"),
+        (
+            "link = { up = 1 }",
+            "bad.toml:4: swarm.link.up: is not a known key. The keys of swarm.link are: up_mbit, down_mbit.",
+        ),
+        ('[[event]]\nat_s = 1\naction = "kill"\nnodes = ["node0"]\nup_mbit = 5', "bad.toml:8: event[0].up_mbit: only"),
+    ],
+)
+def test_link_mistakes_name_their_line_and_key(text: str, expected: str) -> None:
+    assert _error(f"[swarm]\nnodes = 2\nrounds = 3\n{text}\n").startswith(f"scenario error: {expected}")
+
+
+@pytest.mark.parametrize("path", sorted(Path(__file__).parent.parent.glob("scenarios/*.toml")), ids=lambda p: p.name)
+def test_every_shipped_scenario_passes_check(path: Path) -> None:
+    main(["scenario", "check", str(path)])

@@ -50,9 +50,11 @@ from pydantic import ValidationError
 from swarmtrain.config import Config, known_keys
 from swarmtrain.errors import SwarmtrainError
 
-Action = Literal["join", "leave", "kill", "pause", "resume"]
-ACTIONS: tuple[str, ...] = ("join", "leave", "kill", "pause", "resume")
-BACK = {"kill": "join", "leave": "join", "pause": "resume"}  # what brings a node back after each action
+Action = Literal["join", "leave", "kill", "pause", "resume", "link", "partition", "heal"]
+ACTIONS: tuple[str, ...] = ("join", "leave", "kill", "pause", "resume", "link", "partition", "heal")
+NETWORK_ACTIONS = ("link", "partition", "heal")  # need link shaping (a namespace per node; see links.py)
+LINK_KEYS = ("up_mbit", "down_mbit")
+BACK = {"kill": "join", "leave": "join", "pause": "resume", "partition": "heal"}  # what brings a node back
 
 # Keys the runner sets for each node process; a spec that sets them would fight it.
 RUNNER_KEYS = ("run_dir", "node.join", "node.rounds", "node.min_peers", "node.host", "train.max_time")
@@ -76,6 +78,10 @@ class NodeSpec:
     """Started at time 0 (false: it joins through a join event)."""
     settings: dict[str, Any] = field(default_factory=dict)
     """Dotted node config keys for this node ([config] merged with its own overrides)."""
+    up_mbit: float | None = None
+    """Rate of what the node sends, Mbit/s (None: unlimited)."""
+    down_mbit: float | None = None
+    """Rate of what the node receives, Mbit/s (None: unlimited)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -87,6 +93,10 @@ class Event:
     """Seconds since the scenario started."""
     at_round: int | None = None
     """Fires once the swarm has completed this many rounds."""
+    up_mbit: float | None = None
+    """A link event's new uplink rate (None: unlimited)."""
+    down_mbit: float | None = None
+    """A link event's new downlink rate (None: unlimited)."""
     line: int = 0
     """Line of the event in the spec, for messages."""
 
@@ -120,6 +130,12 @@ class Scenario:
     nodes: tuple[NodeSpec, ...] = ()
     events: tuple[Event, ...] = ()
     repeats: tuple[Repeat, ...] = ()
+
+    @property
+    def shaped(self) -> bool:
+        """Whether the nodes need namespaces of their own: some link is limited or changes, or a partition."""
+        limited = any(n.up_mbit is not None or n.down_mbit is not None for n in self.nodes)
+        return limited or any(e.action in NETWORK_ACTIONS for e in [*self.events, *self.repeats])
 
     def node(self, name: str) -> NodeSpec:
         return next(n for n in self.nodes if n.name == name)
@@ -248,6 +264,21 @@ class _Parser:
                 )
         return tuple(value)
 
+    def link(self, table: Any, name: str, line: int) -> dict[str, float | None]:
+        """The rates of a link table ({ up_mbit = 100, down_mbit = 20 }); an absent key is unlimited."""
+        if not isinstance(table, dict):
+            raise self.fail(line, name, "must be a table such as { up_mbit = 100, down_mbit = 20 }.")
+        for key in table:
+            if key in ("latency_ms", "loss"):
+                raise self.fail(line, f"{name}.{key}", "is not supported: links are shaped by the kernel's tbf, which "
+                                "limits the rate only (this kernel has no netem); remove it.")  # fmt: skip
+        self.unknown(table, LINK_KEYS, name, lambda k: line)
+        rates = {k: self.take(table, name, k, (int, float), line) for k in LINK_KEYS}
+        for key, value in rates.items():
+            if value is not None and value <= 0:
+                raise self.fail(line, f"{name}.{key}", "must be positive Mbit/s (leave it out for an unlimited link).")
+        return {k: None if v is None else float(v) for k, v in rates.items()}
+
     def action(self, table: dict[str, Any], name: str, line: int) -> Action:
         action = table.get("action")
         if action not in ACTIONS:
@@ -286,6 +317,7 @@ def parse_spec(text: str, path: Path | str = "<scenario>") -> Scenario:
         "checkpoint",
         "seed",
         "timeout_s",
+        "link",
     )
     line = lambda k: where.key("swarm", k)  # noqa: E731
     p.unknown(swarm, allowed, "swarm", line)
@@ -330,6 +362,7 @@ def parse_spec(text: str, path: Path | str = "<scenario>") -> Scenario:
         raise p.fail(where.header("config"), "config", "must be a table of node settings.")
     common = {**base, **p.settings(config, "config", "config")}
 
+    default_link = p.link(swarm.get("link", {}), "swarm.link", line("link"))
     declared = doc.get("nodes", {})
     if not isinstance(declared, dict):
         raise p.fail(where.header("nodes"), "nodes", "must be tables such as [nodes.node1].")
@@ -340,7 +373,7 @@ def parse_spec(text: str, path: Path | str = "<scenario>") -> Scenario:
         header = f"nodes.{name}"
         if not isinstance(own, dict):
             raise p.fail(where.key("nodes", name), header, "must be a table ([nodes.NAME]).")
-        p.unknown(own, ("start", "config"), header, lambda k, h=header: where.key(h, k))
+        p.unknown(own, ("start", "config", "link"), header, lambda k, h=header: where.key(h, k))
         if not re.fullmatch(r"[A-Za-z0-9_-]{1,32}", name) or name == "random":
             raise p.fail(
                 where.header(header), header, "a node name is 1-32 letters, digits, - or _ (and not 'random')."
@@ -350,7 +383,10 @@ def parse_spec(text: str, path: Path | str = "<scenario>") -> Scenario:
             start = name in {f"node{i}" for i in range(count)}
         table = f"{header}.config" if where.header(f"{header}.config") else header
         settings = {**common, **p.settings(own.get("config", {}), f"{header}.config", table)}
-        nodes.append(NodeSpec(name=name, start=start, settings=settings))
+        rates = default_link
+        if "link" in own:
+            rates = p.link(own["link"], f"{header}.link", where.key(header, "link"))
+        nodes.append(NodeSpec(name=name, start=start, settings=settings, **rates))
     if not any(n.start for n in nodes):
         raise p.fail(where.key("swarm", "nodes"), "swarm.nodes", "no node starts at time 0.")
     known = {n.name for n in nodes}
@@ -360,7 +396,7 @@ def parse_spec(text: str, path: Path | str = "<scenario>") -> Scenario:
         first = where.header("event", i)
         name = f"event[{i}]"
         lines = lambda k, i=i: where.key("event", k, i)  # noqa: E731
-        p.unknown(table, ("action", "nodes", "at_s", "at_round"), name, lines)
+        p.unknown(table, ("action", "nodes", "at_s", "at_round", *LINK_KEYS), name, lines)
         at_s = p.take(table, name, "at_s", (int, float), lines("at_s"))
         at_round = p.take(table, name, "at_round", (int,), lines("at_round"))
         if (at_s is None) == (at_round is None):
@@ -371,7 +407,12 @@ def parse_spec(text: str, path: Path | str = "<scenario>") -> Scenario:
             raise p.fail(lines("at_s" if at_s is not None else "at_round"), name, "must not be negative.")
         action = p.action(table, name, lines("action"))
         targets = p.targets(table, name, lines("nodes"), known)
-        events.append(Event(action=action, nodes=targets, at_s=at_s, at_round=at_round, line=first))
+        rates = {k: None for k in LINK_KEYS}
+        if action == "link":
+            rates = p.link({k: table[k] for k in LINK_KEYS if k in table}, name, first)
+        elif key := next((k for k in LINK_KEYS if k in table), None):
+            raise p.fail(lines(key), f"{name}.{key}", f"only a link event sets rates, not {action}; remove it.")
+        events.append(Event(action=action, nodes=targets, at_s=at_s, at_round=at_round, line=first, **rates))
 
     repeats = []
     for i, table in enumerate(doc.get("repeat", [])):
@@ -392,6 +433,8 @@ def parse_spec(text: str, path: Path | str = "<scenario>") -> Scenario:
         )
         p.unknown(table, keys, name, lines)
         action = p.action(table, name, lines("action"))
+        if action == "link":
+            raise p.fail(lines("action"), f"{name}.action", "a repeating event cannot change links; use [[event]]s.")
         if action not in BACK and (key := next((k for k in table if k.startswith("back_after")), None)):
             raise p.fail(lines(key), f"{name}.{key}", f"{action} has nothing to come back from; remove it.")
         targets = p.targets(table, name, lines("nodes"), known)

@@ -9,6 +9,8 @@ state and is updated here, the one place where node states change on account of 
     idle --join--> running --pause--> paused --resume--> running
     running|paused --kill--> gone;  running --leave--> leaving (the runner marks it gone once it exited)
     gone --join--> running (a fresh process)
+
+``link``, ``partition`` and ``heal`` change a node's network, not its state.
 """
 
 from __future__ import annotations
@@ -25,7 +27,12 @@ FROM: dict[str, tuple[str, ...]] = {
     "leave": ("running",),
     "pause": ("running",),
     "resume": ("paused",),
+    # Network actions act on a node's namespace, whatever its process does; a random one picks a running node.
+    "link": STATES,
+    "partition": STATES,
+    "heal": STATES,
 }
+RANDOM_FROM = {**FROM, "link": ("running",), "partition": ("running",), "heal": ("running", "paused")}
 TO = {"join": "running", "kill": "gone", "leave": "leaving", "pause": "paused", "resume": "running"}
 MAX_REPEATS = 10_000  # firings one repeating event expands to when the scenario sets no end for it
 
@@ -39,6 +46,8 @@ class Firing:
     """Where it came from: event[0], repeat[1] #3, or 'back from repeat[1] #3'."""
     skipped: str = ""
     """Why nothing was done, e.g. 'node1 is paused' or 'no node to kill'."""
+    rates: tuple[float | None, float | None] = (None, None)
+    """A link firing's new (uplink, downlink) Mbit/s; None is unlimited."""
 
 
 @dataclass(slots=True)
@@ -49,6 +58,7 @@ class _Pending:
     nodes: tuple[str, ...]
     source: str
     back_after: float | None = None
+    rates: tuple[float | None, float | None] = (None, None)
     order: int = 0
 
 
@@ -59,7 +69,7 @@ class Timeline:
         self._added = 0
         for i, e in enumerate(spec.events):
             unit, at = ("s", e.at_s) if e.at_s is not None else ("round", e.at_round)
-            self._add(_Pending(unit, float(at), e.action, e.nodes, f"event[{i}]"))
+            self._add(_Pending(unit, float(at), e.action, e.nodes, f"event[{i}]", rates=(e.up_mbit, e.down_mbit)))
         for i, r in enumerate(spec.repeats):
             unit, every = ("round", r.every_rounds) if r.every_rounds is not None else ("s", r.every_s)
             assert every is not None
@@ -93,14 +103,14 @@ class Timeline:
                 firing = self._apply(p, node, states)
                 fired.append(firing)
                 if firing.node is not None and p.back_after is not None:
-                    back = BACK[p.action]
-                    self._add(_Pending(p.unit, p.at + p.back_after, back, (firing.node,), f"back from {p.source}"))  # type: ignore[arg-type]
+                    back: Action = BACK[p.action]  # type: ignore[assignment]
+                    self._add(_Pending(p.unit, p.at + p.back_after, back, (firing.node,), f"back from {p.source}"))
         return fired
 
     def _targets(self, p: _Pending, states: dict[str, str]) -> list[str | None]:
         if p.nodes != ("random",):
             return list(p.nodes)
-        candidates = sorted(n for n, s in states.items() if s in FROM[p.action])
+        candidates = sorted(n for n, s in states.items() if s in RANDOM_FROM[p.action])
         if p.action in ("kill", "leave", "pause") and sum(s == "running" for s in states.values()) <= 1:
             candidates = []  # never take away the last running node: the swarm would stop
         return [self.rng.choice(candidates) if candidates else None]
@@ -111,5 +121,5 @@ class Timeline:
         state = states[node]
         if state not in FROM[p.action]:
             return Firing(p.action, None, p.source, f"{node} is {state}, cannot {p.action} it")
-        states[node] = TO[p.action]
-        return Firing(p.action, node, p.source)
+        states[node] = TO.get(p.action, state)
+        return Firing(p.action, node, p.source, rates=p.rates)
