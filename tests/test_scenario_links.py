@@ -131,3 +131,38 @@ def test_a_node_sends_and_receives_at_the_configured_rates_within_ten_percent() 
     leftover = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout
     assert f"st{net.id}" not in leftover
     assert f"st{net.id}" not in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+
+
+def _reaches(net: Network, name: str, host: str, port: int) -> bool:
+    probe = f"import socket; socket.create_connection(({host!r}, {port}), timeout=1).close()"
+    return subprocess.run([*net.prefix(name), sys.executable, "-c", probe], capture_output=True).returncode == 0
+
+
+def test_a_partition_cuts_nodes_off_from_the_rest_but_not_from_each_other_until_healed() -> None:
+    net = Network()
+    try:
+        for name in ("node0", "node1", "node2"):
+            net.add(name, up_mbit=None, down_mbit=None)
+        host = socket.create_server((net.host_address, 0))
+        port = host.getsockname()[1]
+        listen = (
+            f"import socket, time; s = socket.create_server(({net.links['node1'].address!r}, 7000)); time.sleep(30)"
+        )
+        listener = [*net.prefix("node1"), sys.executable, "-c", listen]
+        server = subprocess.Popen(listener)
+        try:
+            assert _reaches(net, "node0", net.host_address, port) and _reaches(net, "node2", net.host_address, port)
+            deadline = time.monotonic() + 10
+            while not _reaches(net, "node2", net.links["node1"].address, 7000):
+                assert time.monotonic() < deadline, "node1's listener did not come up"
+            net.partition(["node1", "node2"], cut=True)
+            assert not _reaches(net, "node2", net.host_address, port)  # cut off from the rest
+            assert _reaches(net, "node2", net.links["node1"].address, 7000)  # but not from each other
+            net.partition(["node1", "node2"], cut=False)
+            assert _reaches(net, "node2", net.host_address, port)
+        finally:
+            server.kill()
+            server.wait()
+            host.close()
+    finally:
+        net.close()

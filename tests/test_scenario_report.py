@@ -14,7 +14,8 @@ T0 = 1_000_000.0
 
 def _round(k: int, t: float, outcome: str = "applied", group: int = 2, share: float = 0.5, **extra: object) -> dict:
     row = {"kind": "round", "round": k, "time": T0 + t, "tokens": 100, "bytes_sent": 1000, "inner_s": 2.0,
-           "group_size": group, "token_share": share, "outcome": outcome, "bpb": 8.0 - k}  # fmt: skip
+           "group_size": group, "token_share": share, "outcome": outcome, "bpb": 8.0 - k,
+           "duration_s": 0.5 + k}  # fmt: skip
     return {**row, **extra}
 
 
@@ -88,3 +89,23 @@ def test_without_logged_phases_there_is_no_phases_plot_and_the_summary_says_so(f
     text = write_report(folder).read_text()
     assert not (folder / "phases.png").exists()
     assert "no round logged its phases" in text
+
+
+def test_compare_tables_each_run_and_plots_the_swarm_curve_of_the_live_nodes(folder: Path, tmp_path: Path) -> None:
+    import shutil
+
+    from swarmtrain.scenarios.compare import compare, curve
+    from swarmtrain.scenarios.report import load_run
+
+    other = tmp_path / "other"
+    shutil.copytree(folder, other)
+    text = compare([folder, other], tmp_path / "cmp").read_text()
+    # The median outer step counts the rows with a group of two or more (node2's solo round 1 left out): 1.5 s.
+    for run in (folder, other):
+        assert f"| {run.name} | 5.3750 | 20.0 | 700 | 0.0 | 1 / 1 / 1 | 1.50 | 31.8% |" in text, text
+    assert (tmp_path / "cmp" / "compare.png").read_bytes()[:4] == b"\x89PNG"
+    run, _, rows = load_run(folder)
+    points = curve(run, rows)
+    # After node1's kill (it ended at 10 s) its bpb no longer counts: at 12 s the mean is node0's and node2's.
+    assert points[-1] == pytest.approx((12.0, 700, 7000, (6.0 + 6.0) / 2))
+    assert points[1] == pytest.approx((4.1, 200, 2000, 8.0))

@@ -193,3 +193,26 @@ def test_ctrl_c_stops_every_process_the_scenario_started(tmp_path: Path, text_fi
     assert code == 130, (tmp_path / "runner.log").read_text()[-3000:]
     assert _group_members(pids) == []
     assert (out / "summary.md").is_file()  # the report of what ran
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="link shaping needs root")
+def test_a_shaped_link_sets_the_pace_of_the_rounds_and_leaves_no_namespace_behind(
+    tmp_path: Path, text_file: Path
+) -> None:
+    spec = tmp_path / "narrow.toml"
+    text = SPEC.format(data=text_file).split("[nodes.node3]")[0]  # no events: two nodes on 1 Mbit/s links
+    text = text.replace("nodes = 3", "nodes = 2\nlink = { up_mbit = 1, down_mbit = 1 }").replace(
+        "rounds = 6", "rounds = 3"
+    )
+    spec.write_text(text + 'averaging.codec = "fp32"\n')
+    out = tmp_path / "out"
+    args = [sys.executable, "-m", "swarmtrain", "scenario", "run", str(spec), "--out", str(out)]
+    proc = _run(args, tmp_path / "runner.log", 200 * slowdown())
+    assert proc.returncode == 0, (tmp_path / "runner.log").read_text()[-3000:]
+    rows = [r for r in _rows(out / "metrics.jsonl") if r["kind"] == "round"]
+    assert len(rows) == 6 and {(r["group_size"], r["outcome"]) for r in rows} == {(2, "applied")}
+    for r in rows:  # a node's update crosses its 1 Mbit/s uplink: the transfer cannot be faster than that
+        floor = r["bytes_sent"] * 8 / 1e6
+        assert r["phases"]["transfer_s"] >= 0.9 * floor, f"round {r['round']} moved {r['bytes_sent']} B in {r}"
+    netns = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert not any(line.startswith("st") for line in netns.splitlines()), netns

@@ -53,3 +53,17 @@ def run(path: str, out: str | None) -> None:
         raise
     summary = write_report(folder)
     click.echo(f"report: {summary}")
+
+
+@scenario_group.command()
+@click.argument("runs", nargs=-1, required=True, type=click.Path(file_okay=False, exists=True))
+@click.option(
+    "--out", type=str, default="runs/compare", show_default=True, help="Folder for compare.md and compare.png."
+)
+def compare(runs: tuple[str, ...], out: str) -> None:
+    """Overlay several runs (--out folders of `scenario run`): a Markdown table of their summaries and a plot of
+    held-out loss against wall time, tokens and bytes sent."""
+    from swarmtrain.scenarios.compare import compare as compare_runs
+
+    path = compare_runs([Path(r) for r in runs], Path(out))
+    click.echo(path.read_text())

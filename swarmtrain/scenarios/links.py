@@ -77,11 +77,15 @@ class Network:
         self.host_address = f"{self.subnet}.1"
         self.links: dict[str, Link] = {}
         self.created: list[tuple[str, str]] = []  # ("link" | "netns", name), deleted in reverse order
-        for bridge in (self.bridge, self.cut):
-            _ip("ip", "link", "add", bridge, "type", "bridge")
-            self.created.append(("link", bridge))
-            _ip("ip", "link", "set", bridge, "up")
-        _ip("ip", "addr", "add", f"{self.host_address}/24", "dev", self.bridge)
+        try:
+            for bridge in (self.bridge, self.cut):
+                _ip("ip", "link", "add", bridge, "type", "bridge")
+                self.created.append(("link", bridge))
+                _ip("ip", "link", "set", bridge, "up")
+            _ip("ip", "addr", "add", f"{self.host_address}/24", "dev", self.bridge)
+        except BaseException:
+            self.close()
+            raise
 
     def add(self, name: str, up_mbit: float | None, down_mbit: float | None) -> Link:
         """A namespace for node ``name`` with its own address on the bridge, shaped as given (None: unlimited)."""

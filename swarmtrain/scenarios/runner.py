@@ -23,8 +23,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
+from swarmtrain.scenarios.links import Network
 from swarmtrain.scenarios.procs import Processes
-from swarmtrain.scenarios.spec import Scenario, ScenarioError
+from swarmtrain.scenarios.spec import NETWORK_ACTIONS, Scenario, ScenarioError
 from swarmtrain.scenarios.timeline import Firing, Timeline
 
 POLL_S = 0.5
@@ -71,6 +72,7 @@ class Runner:
         self.join_addr = ""
         self.rounds_done = 0
         self.stopping = False
+        self.net: Network | None = None  # a namespace per node when some link is shaped (links.py)
         self.stop_deadline = math.inf  # a wall-time scenario's nodes get this long to leave, then they are killed
 
     # ---- output ---------------------------------------------------------------------------------------------
@@ -98,6 +100,8 @@ class Runner:
     def start_bootstrap(self) -> None:
         run_dir = self.out / "bootstrap"
         args = [sys.executable, "-m", "swarmtrain", "bootstrap", "--run-dir", str(run_dir)]
+        if self.net is not None:  # on the bridge every node's namespace reaches
+            args += ["--host", f"/ip4/{self.net.host_address}/tcp/0"]
         settings = self.spec.nodes[0].settings
         for key in ("node.run_id", "node.swarm_key", "node.allow_peers"):
             if key in settings:
@@ -124,6 +128,8 @@ class Runner:
         initial_count = sum(n.start for n in self.spec.nodes)
         settings["node.min_peers"] = initial_count if initial else 1  # the first nodes start round 0 together
         args = [sys.executable, "-m", "swarmtrain", "node", "--run-dir", str(run_dir), "--join", self.join_addr]
+        if self.net is not None:
+            args = [*self.net.prefix(name), *args, "--host", f"/ip4/{self.net.links[name].address}/tcp/0"]
         args += ["--rounds", str(self.spec.rounds)] if self.spec.rounds else []
         args += ["--resume"] if resume else []
         for key, value in settings.items():
@@ -143,6 +149,10 @@ class Runner:
         self.lives[name].append(Incarnation(name, number, run_dir, proc, time.time()))
         self.record("start", name, run_dir=str(run_dir.relative_to(self.out)), pid=proc.pid, initial=initial)
 
+    @staticmethod
+    def rates(firing: Firing) -> dict[str, float | None]:
+        return dict(zip(("up_mbit", "down_mbit"), firing.rates, strict=True)) if firing.action == "link" else {}
+
     def current(self, name: str) -> Incarnation:
         return self.lives[name][-1]
 
@@ -154,7 +164,7 @@ class Runner:
         name = firing.node
         if firing.action == "join":
             self.start_node(name, initial=False)
-        else:
+        elif firing.action not in NETWORK_ACTIONS:
             proc = self.current(name).proc
             if firing.action == "kill":
                 self.procs.signal_group(proc, signal.SIGKILL)
@@ -164,7 +174,13 @@ class Runner:
                 self.procs.signal_group(proc, signal.SIGCONT)
             elif firing.action == "leave":
                 self.procs.signal_leader(proc, signal.SIGTERM)
-        self.record(firing.action, name, source=firing.source)
+        if firing.action in NETWORK_ACTIONS:
+            assert self.net is not None  # Scenario.shaped holds for any network event
+            if firing.action == "link":
+                self.net.shape(name, *firing.rates)
+            else:
+                self.net.partition([name], cut=firing.action == "partition")
+        self.record(firing.action, name, source=firing.source, **self.rates(firing))
         self.say(f"{firing.action} {name} ({firing.source})")
 
     # ---- the loop ---------------------------------------------------------------------------------------------
@@ -208,6 +224,11 @@ class Runner:
         (self.out / "scenario.toml").write_text(spec.text, encoding="utf-8")
         self.record("scenario", path=str(spec.path))
         try:
+            if spec.shaped:
+                self.net = Network()
+                for node in spec.nodes:
+                    self.net.add(node.name, node.up_mbit, node.down_mbit)
+                    self.record("link", node.name, up_mbit=node.up_mbit, down_mbit=node.down_mbit)
             self.start_bootstrap()
             for node in spec.nodes:
                 if node.start:
@@ -217,6 +238,8 @@ class Runner:
             self.loop()
         finally:
             self.procs.close()
+            if self.net is not None:
+                self.net.close()
             for lives in self.lives.values():
                 for life in lives:
                     if life.ended is None:
