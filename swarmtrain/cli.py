@@ -17,6 +17,7 @@ from rich.console import Console
 from swarmtrain.config import Config, known_keys, load_config
 from swarmtrain.errors import SwarmtrainError
 from swarmtrain.localtrain.cli import localtrain_group
+from swarmtrain.scenarios.cli import scenario_group
 from swarmtrain.signals import stop_on_signals
 
 _common_options: list[Callable[[Callable[..., Any]], Callable[..., Any]]] = [
@@ -226,6 +227,7 @@ def _flatten(tree: dict[str, Any], prefix: str = "") -> list[tuple[str, Any]]:
 
 
 cli.add_command(localtrain_group)
+cli.add_command(scenario_group)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -353,7 +353,10 @@ class Node:
             if node.eval_every and averager.round % node.eval_every == 0:
                 bpb = await asyncio.to_thread(trainer.evaluate)
             speed = tokens / last_inner if tokens and last_inner > 0 else 0.0
-            self._log_round(outcome, loss, tokens, speed, trainer.device, transport, sent, received, bpb, started)
+            inner = 0.0 if observing else last_inner
+            self._log_round(
+                outcome, loss, tokens, speed, inner, trainer.device, transport, sent, received, bpb, started
+            )  # fmt: skip
             if averager.round % node.checkpoint_every == 0:
                 self._checkpoint(trainer, averager)
             if self.leaving:
@@ -413,8 +416,8 @@ class Node:
         return max(floor, 1.25 * slowest - last_inner)
 
     def _log_round(
-        self, outcome: RoundOutcome, loss: float, tokens: int, tokens_per_s: float, device: str, transport: Any,
-        sent: int, received: int, bpb: float | None, started: float,
+        self, outcome: RoundOutcome, loss: float, tokens: int, tokens_per_s: float, inner_s: float, device: str,
+        transport: Any, sent: int, received: int, bpb: float | None, started: float,
     ) -> None:  # fmt: skip
         group = outcome.group
         mine = dict(zip(group.members, group.weights, strict=True)).get(transport.peer_id, 0.0)
@@ -431,6 +434,7 @@ class Node:
             "tokens": tokens,
             "device": device,
             "tokens_per_s": round(tokens_per_s, 1),
+            "inner_s": round(inner_s, 4),  # seconds of inner steps this round (compute utilisation)
             "token_share": round(mine / sum(group.weights), 6) if sum(group.weights) > 0 else 0.0,
             "bytes_sent": transport.counter.sent - sent,
             "bytes_received": transport.counter.received - received,
@@ -455,6 +459,7 @@ class Node:
         )  # fmt: skip
 
     def _append(self, record: dict[str, Any]) -> None:
+        record = {**record, "time": round(time.time(), 3)}  # wall clock: merges several nodes' metrics (scenarios)
         with open(self.metrics_path, "a", encoding="utf-8") as f:
             f.write(json.dumps(record) + "\n")
 

@@ -1,0 +1,130 @@
+"""Narrow links for a scenario's nodes: a network namespace per node, rate-limited by the kernel's ``tbf``.
+
+    [nodes.node1]
+    link = { up_mbit = 100, down_mbit = 20 }
+
+Each node runs in a namespace of its own (``ip netns exec``), joined to the runner's namespace by a veth pair whose
+host end sits on a bridge that also carries the bootstrap peer's address. A token-bucket filter on the node's end
+shapes what it sends (uplink), one on the host end what it receives (downlink). A ``link`` event replaces them, a
+``partition`` moves the listed nodes' host ends onto a second bridge (they still reach each other, not the rest),
+and ``heal`` moves them back. Needs root and the ``ip``/``tc`` tools; the kernel's ``netem`` (latency, loss) is not
+available on the machines this was built on, so links have a rate only.
+
+Every name carries a short id of the run, and ``close`` deletes every namespace, veth and bridge it created.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+import shutil
+import subprocess
+from dataclasses import dataclass
+
+from swarmtrain.scenarios.spec import ScenarioError
+
+BURST_S = 0.004  # tbf bucket: 4 ms of the rate (at least 16 KiB), so a burst cannot hide the rate for long
+LIMIT_S = 0.25  # tbf queue: 250 ms of the rate before packets drop (TCP backs off, as on a real narrow link)
+
+
+def _ip(*args: str, ns: str | None = None) -> None:
+    command = (["ip", "netns", "exec", ns] if ns else []) + list(args)
+    done = subprocess.run(command, capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        raise ScenarioError(
+            f"scenario error: `{' '.join(command)}` failed: {done.stderr.strip()}. Link shaping needs root and the "
+            "`ip` and `tc` tools (iproute2); drop the link settings to run without it."
+        )
+
+
+def check_available() -> None:
+    """A clear error when shaping cannot work here (not root, no iproute2)."""
+    if os.geteuid() != 0 or not shutil.which("ip") or not shutil.which("tc"):
+        raise ScenarioError(
+            "scenario error: link shaping (link = {...}, link/partition/heal events) needs root and the `ip` and "
+            "`tc` tools (apt-get install iproute2); run as root, or remove the link settings and events."
+        )
+
+
+def _tbf(dev: str, mbit: float | None, ns: str | None) -> None:
+    if mbit is None:
+        with contextlib.suppress(ScenarioError):  # no qdisc of ours yet: nothing to remove
+            _ip("tc", "qdisc", "del", "dev", dev, "root", ns=ns)
+        return
+    rate = mbit * 1e6 / 8  # bytes per second
+    burst, limit = max(16384, int(rate * BURST_S)), max(65536, int(rate * LIMIT_S))
+    _ip("tc", "qdisc", "replace", "dev", dev, "root", "tbf", "rate", f"{mbit}mbit", "burst", str(burst),
+        "limit", str(limit), ns=ns)  # fmt: skip
+
+
+@dataclass(slots=True)
+class Link:
+    namespace: str
+    address: str
+    node_dev: str
+    host_dev: str
+
+
+class Network:
+    """The bridges, namespaces and veths of one scenario run."""
+
+    def __init__(self) -> None:
+        check_available()
+        self.id = secrets.token_hex(2)
+        self.subnet = f"10.{200 + int(self.id, 16) % 50}.{int(self.id, 16) % 250}"
+        self.bridge, self.cut = f"st{self.id}br", f"st{self.id}cut"
+        self.host_address = f"{self.subnet}.1"
+        self.links: dict[str, Link] = {}
+        self.created: list[tuple[str, str]] = []  # ("link" | "netns", name), deleted in reverse order
+        try:
+            for bridge in (self.bridge, self.cut):
+                _ip("ip", "link", "add", bridge, "type", "bridge")
+                self.created.append(("link", bridge))
+                _ip("ip", "link", "set", bridge, "up")
+            _ip("ip", "addr", "add", f"{self.host_address}/24", "dev", self.bridge)
+        except BaseException:
+            self.close()
+            raise
+
+    def add(self, name: str, up_mbit: float | None, down_mbit: float | None) -> Link:
+        """A namespace for node ``name`` with its own address on the bridge, shaped as given (None: unlimited)."""
+        index = len(self.links) + 2
+        if index > 250:
+            raise ScenarioError("scenario error: at most 249 nodes can have a namespace of their own")
+        ns, node_dev, host_dev = f"st{self.id}n{index}", f"st{self.id}v{index}", f"st{self.id}h{index}"
+        _ip("ip", "netns", "add", ns)
+        self.created.append(("netns", ns))
+        _ip("ip", "link", "add", host_dev, "type", "veth", "peer", "name", node_dev)
+        self.created.append(("link", host_dev))
+        _ip("ip", "link", "set", node_dev, "netns", ns)
+        _ip("ip", "link", "set", host_dev, "master", self.bridge)
+        _ip("ip", "link", "set", host_dev, "up")
+        address = f"{self.subnet}.{index}"
+        _ip("ip", "addr", "add", f"{address}/24", "dev", node_dev, ns=ns)
+        _ip("ip", "link", "set", node_dev, "up", ns=ns)
+        _ip("ip", "link", "set", "lo", "up", ns=ns)
+        link = Link(ns, address, node_dev, host_dev)
+        self.links[name] = link
+        self.shape(name, up_mbit, down_mbit)
+        return link
+
+    def shape(self, name: str, up_mbit: float | None, down_mbit: float | None) -> None:
+        link = self.links[name]
+        _tbf(link.node_dev, up_mbit, link.namespace)  # what the node sends
+        _tbf(link.host_dev, down_mbit, None)  # what it receives
+
+    def partition(self, names: list[str], cut: bool) -> None:
+        """Move the nodes' host ends onto the cut bridge (they reach only each other) or back."""
+        for name in names:
+            _ip("ip", "link", "set", self.links[name].host_dev, "master", self.cut if cut else self.bridge)
+
+    def prefix(self, name: str) -> list[str]:
+        """The command prefix that runs a process in node ``name``'s namespace."""
+        return ["ip", "netns", "exec", self.links[name].namespace]
+
+    def close(self) -> None:
+        for kind, name in reversed(self.created):
+            command = ["ip", "netns", "del", name] if kind == "netns" else ["ip", "link", "del", name]
+            subprocess.run(command, capture_output=True, check=False)  # a veth goes with its namespace too
+        self.created.clear()

@@ -1,0 +1,173 @@
+"""A scenario run's report: merged metrics, a summary (Markdown and JSON) and plots, in the run's folder.
+
+    swarmtrain scenario run scenarios/churn-drop-one.toml --out runs/churn   # writes the report at the end
+
+Reads what the runner left in the folder (``run.json``, ``events.jsonl``, each node's ``metrics.jsonl``) and
+writes ``metrics.jsonl`` (every node's rows, with ``node``, ``incarnation`` and ``t``: seconds since the
+scenario started), ``summary.json`` and ``summary.md`` (final held-out bpb, tokens, bytes, rounds applied /
+fallback / diverged, time to contribute for each joiner, compute utilisation) and the plots ``loss.png``
+(held-out bpb against wall time, tokens and bytes sent), ``members.png`` (members over time, events marked)
+and ``phases.png`` (per-round duration split into phases, when the nodes logged phases).
+
+Definitions:
+- a round's outcome is the worst over the rows all nodes logged for it: diverged, else fallback, else applied;
+- a joiner's time to contribute runs from its start to the logged end of its first round whose average took
+  its tokens (token share > 0) together with at least one other node, applied;
+- compute utilisation is the time spent in inner steps over the wall time the node's processes lived.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+from typing import Any
+
+from swarmtrain.node.demo import read_metrics
+
+
+def load_run(folder: Path) -> tuple[dict[str, Any], list[dict[str, Any]], list[dict[str, Any]]]:
+    """(run.json, events, merged metric rows sorted by time) of a runner's folder."""
+    run = json.loads((folder / "run.json").read_text())
+    events = [json.loads(line) for line in (folder / "events.jsonl").read_text().splitlines() if line.strip()]
+    rows = []
+    for life in run["nodes"]:
+        for row in read_metrics(folder / life["run_dir"] / "metrics.jsonl"):
+            rows.append(
+                {**row, "node": life["node"], "incarnation": life["incarnation"], "t": row["time"] - run["started"]}
+            )
+    rows.sort(key=lambda r: r["t"])
+    return run, events, rows
+
+
+def round_outcomes(rows: list[dict[str, Any]]) -> dict[int, str]:
+    outcomes: dict[int, set[str]] = {}
+    for r in rows:
+        if r["kind"] == "round":
+            outcomes.setdefault(r["round"], set()).add(r["outcome"])
+    worst = {}
+    for k, seen in outcomes.items():
+        worst[k] = (
+            "diverged"
+            if any(o.startswith("diverged") for o in seen)
+            else "fallback"
+            if seen - {"applied"}
+            else "applied"
+        )
+    return dict(sorted(worst.items()))
+
+
+def summarize(run: dict[str, Any], events: list[dict[str, Any]], rows: list[dict[str, Any]]) -> dict[str, Any]:
+    rounds = [r for r in rows if r["kind"] == "round"]
+    wall = run["ended"] - run["started"]
+    last = {life["node"]: life["incarnation"] for life in run["nodes"]}
+    finals = {
+        r["node"]: r["bpb"] for r in rows
+        if r["kind"] == "final" and r["incarnation"] == last[r["node"]] and r["bpb"] is not None
+    }  # fmt: skip
+    outcomes = round_outcomes(rows)
+    per_node = []
+    for life in run["nodes"]:
+        mine = [r for r in rounds if r["node"] == life["node"] and r["incarnation"] == life["incarnation"]]
+        lived = (life["ended"] or run["ended"]) - life["started"]
+        inner = sum(r.get("inner_s", 0.0) for r in mine)
+        per_node.append({
+            "node": life["node"] if life["incarnation"] == 1 else f"{life['node']}.{life['incarnation']}",
+            "rounds": len(mine), "tokens": sum(r["tokens"] for r in mine),
+            "bytes_sent": sum(r["bytes_sent"] for r in mine),
+            "exit_code": life["exit_code"], "lived_s": round(lived, 3), "inner_s": round(inner, 3),
+            "utilisation": round(inner / lived, 4) if lived > 0 else 0.0,
+        })  # fmt: skip
+    joiners = []
+    for e in events:
+        if e["action"] == "start" and not e.get("initial", True):
+            life = next(life for life in run["nodes"] if life["run_dir"] == e["run_dir"])
+            first = next(
+                (r for r in rounds if r["node"] == life["node"] and r["incarnation"] == life["incarnation"]
+                 and r["outcome"] == "applied" and r["group_size"] > 1 and r["token_share"] > 0), None,
+            )  # fmt: skip
+            joiners.append({
+                "node": e["node"], "incarnation": life["incarnation"], "joined_t": e["t"],
+                "contributed_t": None if first is None else round(first["t"], 3),
+                "time_to_contribute_s": None if first is None else round(first["t"] - e["t"], 3),
+                "round": None if first is None else first["round"],
+            })  # fmt: skip
+    lived = sum(n["lived_s"] for n in per_node)
+    return {
+        "wall_s": round(wall, 3),
+        "final_bpb": {k: finals[k] for k in sorted(finals)},
+        "final_bpb_mean": statistics.fmean(finals.values()) if finals else None,
+        "tokens": sum(r["tokens"] for r in rounds),
+        "bytes_sent": sum(r["bytes_sent"] for r in rounds),
+        "rounds": len(outcomes),
+        "rounds_applied": sum(o == "applied" for o in outcomes.values()),
+        "rounds_fallback": sum(o == "fallback" for o in outcomes.values()),
+        "rounds_diverged": sum(o == "diverged" for o in outcomes.values()),
+        "utilisation": round(sum(n["inner_s"] for n in per_node) / lived, 4) if lived > 0 else 0.0,
+        "nodes": per_node,
+        "joiners": joiners,
+        "events": [e for e in events if e["action"] in ("join", "leave", "kill", "pause", "resume", "stop")],
+    }
+
+
+def markdown(summary: dict[str, Any], spec_name: str, phases: bool) -> str:
+    s = summary
+    mean = "-" if s["final_bpb_mean"] is None else f"{s['final_bpb_mean']:.4f}"
+    lines = [
+        f"# Scenario {spec_name}", "",
+        "| | |", "|---|---|",
+        f"| wall time | {s['wall_s']:.1f} s |",
+        f"| final held-out bpb (mean of {len(s['final_bpb'])} nodes) | {mean} |",
+        f"| tokens trained (all nodes) | {s['tokens']:,} |",
+        f"| bytes sent (all nodes) | {s['bytes_sent']:,} |",
+        f"| rounds applied / fallback / diverged | {s['rounds_applied']} / {s['rounds_fallback']} / "
+        f"{s['rounds_diverged']} of {s['rounds']} |",
+        f"| compute utilisation (inner steps / wall time) | {s['utilisation']:.1%} |",
+        "", "## Nodes", "",
+        "| node | rounds | tokens | bytes sent | lived s | inner s | utilisation | exit | final bpb |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]  # fmt: skip
+    for n in s["nodes"]:
+        bpb = s["final_bpb"].get(n["node"])
+        final = "-" if bpb is None else f"{bpb:.4f}"
+        lines.append(
+            f"| {n['node']} | {n['rounds']} | {n['tokens']:,} | {n['bytes_sent']:,} | {n['lived_s']:.1f} | "
+            f"{n['inner_s']:.1f} | {n['utilisation']:.1%} | {n['exit_code']} | {final} |"
+        )
+    if s["joiners"]:
+        lines += [
+            "",
+            "## Joiners",
+            "",
+            "| node | joined at s | contributed at s | time to contribute s | round |",
+            "|---|---|---|---|---|",
+        ]
+        for j in s["joiners"]:
+            late = "never" if j["time_to_contribute_s"] is None else f"{j['time_to_contribute_s']:.1f}"
+            at = "-" if j["contributed_t"] is None else f"{j['contributed_t']:.1f}"
+            round_ = "-" if j["round"] is None else j["round"]
+            lines.append(f"| {j['node']} | {j['joined_t']:.1f} | {at} | {late} | {round_} |")
+    lines += ["", "## Events", "", "| t s | action | node |", "|---|---|---|"]
+    lines += [f"| {e['t']:.1f} | {e['action']} | {e['node'] or '-'} |" for e in s["events"]]
+    lines += ["", "![held-out loss](loss.png)", "", "![members](members.png)", ""]
+    lines += ["![round phases](phases.png)" if phases else "(no round logged its phases: no phases plot)", ""]
+    return "\n".join(lines)
+
+
+def write_report(folder: Path) -> Path:
+    """Write the report into ``folder`` (a runner's output) and return the path of its summary.md."""
+    from swarmtrain.scenarios.plots import plot_loss, plot_members, plot_phases
+
+    folder = Path(folder)
+    run, events, rows = load_run(folder)
+    with open(folder / "metrics.jsonl", "w", encoding="utf-8") as f:
+        for row in rows:
+            f.write(json.dumps(row) + "\n")
+    summary = summarize(run, events, rows)
+    (folder / "summary.json").write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
+    plot_loss(rows, folder / "loss.png")
+    plot_members(run, events, rows, folder / "members.png")
+    phases = plot_phases(rows, folder / "phases.png")
+    text = markdown(summary, Path(run.get("scenario", "scenario.toml")).name, phases)
+    (folder / "summary.md").write_text(text, encoding="utf-8")
+    return folder / "summary.md"

@@ -1,0 +1,218 @@
+"""`swarmtrain scenario run` end to end: real node processes, a kill, a pause and a join, the report checked
+against the nodes' own metrics, and no process left behind (also after Ctrl+C). Slow: a swarm of processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from .swarm import child_setup, slowdown
+
+SPEC = """\
+[swarm]
+nodes = 3
+rounds = 6
+inner_steps = 3
+model = "tiny"
+data = "{data}"
+timeout_s = 400
+
+[config]
+train.batch_size = 4
+train.threads = 1
+train.eval_batches = 1
+node.test_step_delay_s = 0.2
+node.heartbeat_s = 0.5
+node.record_ttl_s = 3
+averaging.min_gather_s = 3
+averaging.min_deadline_s = 8
+
+[nodes.node3]
+start = false
+
+[[event]]
+at_round = 1
+action = "kill"
+nodes = ["node1"]
+
+[[event]]
+at_round = 2
+action = "join"
+nodes = ["node3"]
+
+[[event]]
+at_round = 2
+action = "pause"
+nodes = ["node2"]
+
+[[event]]
+at_round = 3
+action = "resume"
+nodes = ["node2"]
+"""
+
+pytestmark = pytest.mark.slow
+
+
+def _rows(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+
+
+def _group_members(pgids: list[int]) -> list[tuple[int, int]]:
+    """(pid, pgid) of live processes in any of these process groups."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) in pgids and fields[0] != "Z":
+            found.append((int(stat.parent.name), int(fields[2])))
+    return found
+
+
+def _run(args: list[str], log: Path, timeout: float) -> subprocess.Popen[bytes]:
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, preexec_fn=child_setup)
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGINT)  # the runner's own cleanup, then a hard stop
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        raise AssertionError(f"the scenario did not finish in {timeout:.0f} s:\n{log.read_text()[-3000:]}") from None
+    return proc
+
+
+def test_a_scenario_with_a_kill_a_pause_and_a_join_reports_what_its_nodes_logged(
+    tmp_path: Path, text_file: Path
+) -> None:
+    spec = tmp_path / "three.toml"
+    spec.write_text(SPEC.format(data=text_file))
+    out = tmp_path / "out"
+    args = [sys.executable, "-m", "swarmtrain", "scenario", "run", str(spec), "--out", str(out)]
+    proc = _run(args, tmp_path / "runner.log", 300 * slowdown())
+    log = (tmp_path / "runner.log").read_text()
+    assert proc.returncode == 0, log[-3000:]
+    for progress in ("kill node1 (event[0])", "join node3 (event[1])", "pause node2 (event[2])", "resume node2"):
+        assert progress in log, f"no progress line for {progress!r}:\n{log}"
+
+    for name in ("summary.md", "summary.json", "metrics.jsonl", "events.jsonl", "run.json", "loss.png", "members.png"):
+        assert (out / name).is_file(), f"the report lacks {name}: {sorted(p.name for p in out.iterdir())}"
+    for plot in ("loss.png", "members.png", "phases.png"):
+        assert (out / plot).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", plot
+    assert (out / "scenario.toml").read_text() == spec.read_text()
+
+    # Every process the runner started is gone, with its daemon (each led a process group of its own).
+    events = _rows(out / "events.jsonl")
+    starts = [e for e in events if e["action"] == "start"]
+    assert [e["node"] for e in starts] == ["node0", "node1", "node2", "node3"]
+    assert _group_members([e["pid"] for e in starts]) == []
+
+    # The report's numbers are the nodes' own metrics.
+    run = json.loads((out / "run.json").read_text())
+    summary = json.loads((out / "summary.json").read_text())
+    lives = {life["node"]: life for life in run["nodes"]}
+    assert lives["node1"]["exit_code"] == -signal.SIGKILL
+    assert {lives[n]["exit_code"] for n in ("node0", "node2", "node3")} == {0}
+    metrics = {n: _rows(out / life["run_dir"] / "metrics.jsonl") for n, life in lives.items()}
+    rounds = [r for rows in metrics.values() for r in rows if r["kind"] == "round"]
+    assert summary["tokens"] == sum(r["tokens"] for r in rounds) > 0
+    assert summary["bytes_sent"] == sum(r["bytes_sent"] for r in rounds) > 0
+    finals = {n: r["bpb"] for n, rows in metrics.items() for r in rows if r["kind"] == "final"}
+    assert set(finals) == {"node0", "node2", "node3"}  # the killed node never got to its final evaluation
+    assert summary["final_bpb"] == pytest.approx(finals)
+    worst: dict[int, str] = {}
+    for r in rounds:
+        bad = (
+            "diverged"
+            if r["outcome"].startswith("diverged")
+            else "applied"
+            if r["outcome"] == "applied"
+            else "fallback"
+        )
+        rank = ("applied", "fallback", "diverged")
+        worst[r["round"]] = max(worst.get(r["round"], "applied"), bad, key=rank.index)
+    counted = [summary[f"rounds_{o}"] for o in ("applied", "fallback", "diverged")]
+    assert counted == [sum(w == o for w in worst.values()) for o in ("applied", "fallback", "diverged")]
+    assert summary["rounds"] == len(worst) == 6
+    lived = sum(life["ended"] - life["started"] for life in run["nodes"])
+    assert summary["utilisation"] == pytest.approx(sum(r["inner_s"] for r in rounds) / lived, abs=1e-3)
+    assert 0 < summary["utilisation"] < 1
+    (joiner,) = summary["joiners"]
+    contributed = [
+        r for r in metrics["node3"]
+        if r["kind"] == "round" and r["outcome"] == "applied" and r["group_size"] > 1 and r["token_share"] > 0
+    ]  # fmt: skip
+    join_t = next(e["t"] for e in starts if e["node"] == "node3")
+    if contributed:
+        expected = contributed[0]["time"] - run["started"] - join_t
+        assert joiner["time_to_contribute_s"] == pytest.approx(expected, abs=1e-2)
+    else:
+        assert joiner["time_to_contribute_s"] is None
+    text = (out / "summary.md").read_text()
+    assert f"| final held-out bpb (mean of 3 nodes) | {sum(finals.values()) / 3:.4f} |" in text
+    assert f"| tokens trained (all nodes) | {summary['tokens']:,} |" in text
+    assert "| kill | node1 |" in text and "| join | node3 |" in text
+
+
+def test_ctrl_c_stops_every_process_the_scenario_started(tmp_path: Path, text_file: Path) -> None:
+    spec = tmp_path / "long.toml"
+    spec.write_text(SPEC.format(data=text_file).replace("rounds = 6", "rounds = 1000"))
+    out = tmp_path / "out"
+    args = [sys.executable, "-m", "swarmtrain", "scenario", "run", str(spec), "--out", str(out)]
+    with open(tmp_path / "runner.log", "wb") as log:
+        proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, preexec_fn=child_setup)
+    rows: list[dict] = []
+    try:
+        deadline = time.monotonic() + 120 * slowdown()
+        while time.monotonic() < deadline and proc.poll() is None:
+            rows = [r for n in ("node0", "node1", "node2") for r in _rows(out / "nodes" / n / "metrics.jsonl")]
+            if rows:  # the swarm trains: the nodes and their daemons are all up
+                break
+            time.sleep(0.5)
+        assert proc.poll() is None and rows, (tmp_path / "runner.log").read_text()[-3000:]
+        pids = [e["pid"] for e in _rows(out / "events.jsonl") if e["action"] == "start"]
+        assert len(pids) == 3 and all(os.path.exists(f"/proc/{p}") for p in pids)
+        proc.send_signal(signal.SIGINT)  # started with SIGINT ignored, as from a script: still stops
+        code = proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert code == 130, (tmp_path / "runner.log").read_text()[-3000:]
+    assert _group_members(pids) == []
+    assert (out / "summary.md").is_file()  # the report of what ran
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="link shaping needs root")
+def test_a_shaped_link_sets_the_pace_of_the_rounds_and_leaves_no_namespace_behind(
+    tmp_path: Path, text_file: Path
+) -> None:
+    spec = tmp_path / "narrow.toml"
+    text = SPEC.format(data=text_file).split("[nodes.node3]")[0]  # no events: two nodes on 1 Mbit/s links
+    text = text.replace("nodes = 3", "nodes = 2\nlink = { up_mbit = 1, down_mbit = 1 }").replace(
+        "rounds = 6", "rounds = 3"
+    )
+    spec.write_text(text + 'averaging.codec = "fp32"\n')
+    out = tmp_path / "out"
+    args = [sys.executable, "-m", "swarmtrain", "scenario", "run", str(spec), "--out", str(out)]
+    proc = _run(args, tmp_path / "runner.log", 200 * slowdown())
+    assert proc.returncode == 0, (tmp_path / "runner.log").read_text()[-3000:]
+    rows = [r for r in _rows(out / "metrics.jsonl") if r["kind"] == "round"]
+    assert len(rows) == 6 and {(r["group_size"], r["outcome"]) for r in rows} == {(2, "applied")}
+    for r in rows:  # a node's update crosses its 1 Mbit/s uplink: the transfer cannot be faster than that
+        floor = r["bytes_sent"] * 8 / 1e6
+        assert r["phases"]["transfer_s"] >= 0.9 * floor, f"round {r['round']} moved {r['bytes_sent']} B in {r}"
+    netns = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert not any(line.startswith("st") for line in netns.splitlines()), netns

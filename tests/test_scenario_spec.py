@@ -1,0 +1,168 @@
+"""Scenario files: what a good spec parses into, and that each mistake names its line and key (exit code 2)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from swarmtrain.cli import main
+from swarmtrain.scenarios import ScenarioError, parse_spec
+
+GOOD = """\
+[swarm]
+nodes = 3
+rounds = 6
+inner_steps = 4
+codec = "int8"
+model = "tiny"
+
+[config]
+train.batch_size = 8
+averaging.min_deadline_s = 9
+
+[nodes.node2.config]
+train.batch_size = 2
+
+[nodes.late]
+start = false
+
+[[event]]
+at_round = 2
+action = "kill"
+nodes = ["node1"]
+
+[[event]]
+at_s = 5.5
+action = "pause"
+nodes = "node2"
+
+[[event]]
+at_round = 3
+action = "join"
+nodes = ["late"]
+
+[[repeat]]
+action = "pause"
+nodes = "random"
+every_rounds = 2
+from_round = 1
+until_round = 5
+back_after_rounds = 1
+"""
+
+
+def test_a_good_spec_parses_into_nodes_overrides_events_and_repeats() -> None:
+    spec = parse_spec(GOOD, "good.toml")
+    assert [(n.name, n.start) for n in spec.nodes] == [
+        ("node0", True),
+        ("node1", True),
+        ("node2", True),
+        ("late", False),
+    ]
+    assert spec.rounds == 6 and spec.wall_time_s is None
+    node0, node2 = spec.node("node0").settings, spec.node("node2").settings
+    assert node0["train.batch_size"] == 8 and node2["train.batch_size"] == 2  # the node's own override wins
+    assert node2["averaging.min_deadline_s"] == 9 and node2["averaging.codec"] == "int8"
+    assert node0["node.inner_steps"] == 4 and node0["model.width"] == 32  # [swarm] keys and the tiny preset
+    kill, pause, join = spec.events
+    assert (kill.action, kill.nodes, kill.at_round, kill.at_s) == ("kill", ("node1",), 2, None)
+    assert (pause.action, pause.nodes, pause.at_s) == ("pause", ("node2",), 5.5)
+    assert join.nodes == ("late",) and join.line == 28
+    (repeat,) = spec.repeats
+    assert (repeat.every_rounds, repeat.start, repeat.until, repeat.back_after) == (2, 1, 5, 1)
+    assert repeat.nodes == ("random",)
+
+
+def test_a_wall_time_spec_needs_no_rounds() -> None:
+    spec = parse_spec("[swarm]\nnodes = 2\nwall_time_s = 30\n")
+    assert spec.wall_time_s == 30 and spec.rounds == 0 and len(spec.nodes) == 2
+
+
+def _error(text: str) -> str:
+    with pytest.raises(ScenarioError) as info:
+        parse_spec(text, "bad.toml")
+    return str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("change", "expected"),
+    [
+        (("rounds = 6", "rounds = 6\nnodez = 1"), "bad.toml:4: swarm.nodez: is not a known key. Did you mean nodes?"),
+        (("nodes = 3", 'nodes = "3"'), "bad.toml:2: swarm.nodes: must be int"),
+        (("rounds = 6", "wall_time_s = 10\nrounds = 6"), "bad.toml:1: swarm: set exactly one of rounds"),
+        (('model = "tiny"', 'model = "huge"'), "bad.toml:6: swarm.model: must be one of tiny, bench, default"),
+        (("train.batch_size = 8", "train.batch_size = 0"), "bad.toml:9: config.train.batch_size: Input should be"),
+        (
+            ("train.batch_size = 8", "train.batch_sise = 8"),
+            "bad.toml:9: config.train.batch_sise: is not a node setting",
+        ),
+        (("averaging.min_deadline_s = 9", "node.rounds = 9"), "bad.toml:10: config.node.rounds: is set by the"),
+        (("train.batch_size = 2", "train.batch_size = -1"), "bad.toml:13: nodes.node2.config.train.batch_size:"),
+        (("start = false", "start = 0"), "bad.toml:16: nodes.late.start: must be bool"),
+        (('action = "kill"', 'action = "explode"'), "bad.toml:20: event[0].action: must be one of join, leave"),
+        (('nodes = ["node1"]', 'nodes = ["node9"]'), "bad.toml:21: event[0].nodes: names 'node9', which is not a"),
+        (("at_s = 5.5", "at_s = 5.5\nat_round = 1"), "bad.toml:23: event[1]: set exactly one of at_s"),
+        (("until_round = 5", "until_s = 5"), "bad.toml:38: repeat[0].until_s: mixes units"),
+        (('action = "pause"\nnodes = "random"', 'action = "kill"\nnodes = []'), "bad.toml:35: repeat[0].nodes: must"),
+        (("[[repeat]]", "[[repeats]]"), "bad.toml:33: repeats: is not a known key. Did you mean repeat?"),
+    ],
+)
+def test_each_mistake_names_its_line_and_key(change: tuple[str, str], expected: str) -> None:
+    old, new = change
+    assert old in GOOD
+    message = _error(GOOD.replace(old, new, 1))
+    assert message.startswith(f"scenario error: {expected}"), message
+
+
+def test_a_join_has_nothing_to_come_back_from() -> None:
+    text = GOOD.replace('action = "pause"\nnodes = "random"', 'action = "join"\nnodes = "random"')
+    assert "repeat[0].back_after_rounds: join has nothing to come back from" in _error(text)
+
+
+def test_scenario_check_prints_ok_or_the_error_with_exit_code_2(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    good, bad = tmp_path / "good.toml", tmp_path / "bad.toml"
+    good.write_text(GOOD)
+    bad.write_text(GOOD.replace("nodes = 3", "nodes = 0"))
+    main(["scenario", "check", str(good)])
+    assert "ok: 4 nodes (3 at the start), 6 rounds, 3 events, 1 repeating events" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as exit_info:
+        main(["scenario", "check", str(bad)])
+    assert exit_info.value.code == 2
+    assert f"{bad}:2: swarm.nodes: must be a whole number >= 1" in capsys.readouterr().err.replace("\n", "")
+
+
+def test_links_default_from_swarm_a_node_overrides_them_and_a_link_event_carries_its_rates() -> None:
+    spec = parse_spec(
+        "[swarm]\nnodes = 2\nrounds = 3\nlink = { up_mbit = 100, down_mbit = 50 }\n"
+        "[nodes.node1]\nlink = { up_mbit = 2 }\n"
+        '[[event]]\nat_s = 3\naction = "link"\nnodes = ["node0"]\ndown_mbit = 10\n'
+        '[[repeat]]\naction = "partition"\nnodes = "random"\nevery_s = 5\nback_after_s = 2\n'
+    )
+    assert [(n.up_mbit, n.down_mbit) for n in spec.nodes] == [(100.0, 50.0), (2.0, None)]
+    (event,) = spec.events
+    assert (event.up_mbit, event.down_mbit) == (None, 10.0) and spec.shaped
+    assert not parse_spec("[swarm]\nnodes = 2\nrounds = 3\n").shaped
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("link = { up_mbit = 100, latency_ms = 50 }", "bad.toml:4: swarm.link.latency_ms: is not supported: links"),
+        ("link = { up_mbit = 0 }", "bad.toml:4: swarm.link.up_mbit: must be positive Mbit/s"),
+        (
+            "link = { up = 1 }",
+            "bad.toml:4: swarm.link.up: is not a known key. The keys of swarm.link are: up_mbit, down_mbit.",
+        ),
+        ('[[event]]\nat_s = 1\naction = "kill"\nnodes = ["node0"]\nup_mbit = 5', "bad.toml:8: event[0].up_mbit: only"),
+    ],
+)
+def test_link_mistakes_name_their_line_and_key(text: str, expected: str) -> None:
+    assert _error(f"[swarm]\nnodes = 2\nrounds = 3\n{text}\n").startswith(f"scenario error: {expected}")
+
+
+@pytest.mark.parametrize("path", sorted(Path(__file__).parent.parent.glob("scenarios/*.toml")), ids=lambda p: p.name)
+def test_every_shipped_scenario_passes_check(path: Path) -> None:
+    main(["scenario", "check", str(path)])
