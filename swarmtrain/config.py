@@ -232,6 +232,14 @@ class AveragingConfig(_Section):
     its P-th part in round R. Empty (the default) injects nothing."""
 
 
+class ObserveConfig(_Section):
+    http_port: int | None = Field(None, ge=0, le=65535)
+    """Port of the node's HTTP endpoint (/status JSON, /metrics for Prometheus); unset means off, 0 picks a free
+    port. The node prints the URL and writes it to <run_dir>/http.txt."""
+    http_host: str = "127.0.0.1"
+    """Address the HTTP endpoint listens on; the default serves this machine only (0.0.0.0 serves everyone)."""
+
+
 class Config(_Section):
     run_dir: str = "runs/default"
     """Directory for checkpoints, the resolved config and metrics."""
@@ -247,6 +255,8 @@ class Config(_Section):
     """Outer step: groups, outer optimizer, codecs, deadlines."""
     localtrain: LocalTrainConfig = Field(default_factory=LocalTrainConfig)
     """Local training in stages on this machine's cores (`swarmtrain localtrain bench`, train.trainer)."""
+    observe: ObserveConfig = Field(default_factory=ObserveConfig)
+    """The node's HTTP endpoint: status, metrics."""
 
     @model_validator(mode="after")
     def _check_trainer(self) -> Config:

@@ -117,11 +117,12 @@ def show_status(config: Config, as_json: bool) -> None:
         print(json.dumps([r.model_dump() for r in records], indent=2))
         return
     table = Table(title=f"swarm {config.node.run_id!r}: {len(records)} peers")
-    for column in ("peer", "round", "phase", "device", "tokens/s", "batch", "digest", "address"):
-        table.add_column(column)
+    for column in ("peer", "round", "state", "reason", "device", "tokens/s", "batch", "digest", "address"):
+        table.add_column(column, overflow="fold")
     for r in records:
         row: list[Any] = [
-            r.peer_id[-12:], r.round, r.phase, r.device or "-", f"{r.tokens_per_s:,.0f}", r.batch_size, r.digest[:8]
+            r.peer_id[-12:], r.round, r.state or r.phase, r.reason or "-", r.device or "-", f"{r.tokens_per_s:,.0f}",
+            r.batch_size, r.digest[:8],
         ]  # fmt: skip
         table.add_row(*map(str, row), r.addrs[0] if r.addrs else "")
     Console().print(table)
