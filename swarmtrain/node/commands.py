@@ -24,6 +24,7 @@ from swarmtrain.config import Config
 from swarmtrain.dht import PeerRecord, load_identity_key, read_record
 from swarmtrain.net import P2PTransport, load_auth, serve_hello
 from swarmtrain.node.node import Node, NodeError, join_line, start_dht, start_p2p
+from swarmtrain.node.settings import serve_settings, swarm_settings
 from swarmtrain.signals import STOP_SIGNALS, handled_by_loop
 
 
@@ -70,7 +71,9 @@ def run_bootstrap(config: Config) -> None:
         auth = load_auth(config.node.swarm_key, config.node.allow_peers)
         p2p = await start_p2p(config, identity)
         try:
-            await serve_hello(P2PTransport(p2p, auth=auth))  # joiners check their swarm key with this peer
+            transport = P2PTransport(p2p, auth=auth)
+            await serve_hello(transport)  # joiners check their swarm key with this peer
+            await serve_settings(transport, swarm_settings(config, trains=False))  # and their run id
             dht = await start_dht(p2p, config, load_identity_key(identity))
             maddrs = await p2p.get_visible_maddrs()
             print(f"bootstrap peer {p2p.peer_id} is up; nodes join with: swarmtrain node {join_line(maddrs)}")

@@ -33,8 +33,9 @@ from swarmtrain.dht import Membership, PeerRecord, load_identity_key, record_val
 from swarmtrain.errors import CheckpointError, SwarmtrainError
 from swarmtrain.net import P2PTransport, load_auth, serve_hello, verify_swarm
 from swarmtrain.node.inner import InnerLoop, build_inner_loop
-from swarmtrain.node.observe import NodeMetrics, ObserveServer
+from swarmtrain.node.observe import NodeMetrics, ObserveServer, dashboard
 from swarmtrain.node.resume import open_run_dir, outer_state
+from swarmtrain.node.settings import ConfigMismatch, check_settings, serve_settings, swarm_settings
 from swarmtrain.node.state import Miss, NodeState, NodeStatus, round_state
 from swarmtrain.train import Checkpoint, configure_threads, save_checkpoint
 from swarmtrain.train.device import resolve_device
@@ -152,6 +153,8 @@ class Node:
             self.numel = theta.numel()
             transport = P2PTransport(p2p, auth=auth)
             await serve_hello(transport)
+            settings = swarm_settings(config)
+            await serve_settings(transport, settings)
             await verify_swarm(transport, join_peers(config))  # a key mismatch is an error, not a silent solo run
             averager = Averager(
                 transport, theta, run_id=node.run_id, group_size=avg.group_size, outer_lr=avg.outer_lr,
@@ -179,6 +182,8 @@ class Node:
             write_resolved(config, self.run_dir)
             (self.run_dir / "join.txt").write_text("\n".join(str(m) for m in maddrs) + "\n")
             print(f"peer {me} is up; to join this swarm run: swarmtrain node {join_line(maddrs)}", flush=True)
+            await membership.refresh()  # a first look, before this node shows itself to the swarm
+            await self._check_settings(transport, membership, settings)
             await membership.publish()
             await membership.refresh()
             heartbeat = asyncio.create_task(membership.run(node.heartbeat_s))
@@ -209,7 +214,7 @@ class Node:
         if observe.http_port is None:
             return None
         try:
-            server = ObserveServer(self.status, self.metrics, observe.http_host, observe.http_port)
+            server = ObserveServer(self.status, self.metrics, observe.http_host, observe.http_port, pages=dashboard())
         except OSError as exc:
             raise NodeError(
                 f"node error: cannot serve observe.http_port={observe.http_port} on {observe.http_host} "
@@ -218,8 +223,20 @@ class Node:
         server.start()
         self.run_dir.mkdir(parents=True, exist_ok=True)
         (self.run_dir / "http.txt").write_text(server.url + "\n")
-        print(f"status and metrics at {server.url}/status and {server.url}/metrics", flush=True)
+        print(f"dashboard at {server.url}/ (and {server.url}/status, {server.url}/metrics)", flush=True)
         return server
+
+    async def _check_settings(self, transport: Any, membership: Membership, settings: dict[str, Any]) -> None:
+        """Stop before training if the swarm's settings differ from mine (see ``swarmtrain.node.settings``); the
+        record that says so is published as a leave, so no peer puts this node in a group."""
+        others = [p for p in membership.view if p != membership.record.peer_id]
+        try:
+            await check_settings(transport, [*join_peers(self.config), *others], settings)
+        except ConfigMismatch as exc:
+            self.status.set(NodeState.CONFIG_MISMATCH, exc.summary)
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(membership.leave(), 3.0)
+            raise
 
     async def _wait_for_peers(self, membership: Membership) -> None:
         node = self.config.node

@@ -1,4 +1,5 @@
-"""A node's HTTP endpoint (``observe.http_port``): ``/metrics`` for Prometheus, ``/status`` as JSON.
+"""A node's HTTP endpoint (``observe.http_port``): ``/metrics`` for Prometheus, ``/status`` as JSON, ``/`` the
+dashboard (``dashboard.html``, self-contained).
 
     swarmtrain node --set observe.http_port=9100
     curl -s localhost:9100/status | python -m json.tool
@@ -16,6 +17,7 @@ import json
 import logging
 import threading
 from collections.abc import Callable, Iterable
+from pathlib import Path
 from socketserver import ThreadingMixIn
 from typing import Any
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
@@ -124,3 +126,9 @@ class ObserveServer:
 def _reply(start_response: StartResponse, content_type: str, body: bytes) -> list[bytes]:
     start_response("200 OK", [("Content-Type", content_type), ("Content-Length", str(len(body)))])
     return [body]
+
+
+def dashboard() -> dict[str, tuple[str, bytes]]:
+    """The dashboard page (``/``): one self-contained HTML file that polls ``/status``."""
+    page = (Path(__file__).with_name("dashboard.html")).read_bytes()
+    return {"/": ("text/html; charset=utf-8", page)}

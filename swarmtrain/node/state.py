@@ -123,5 +123,15 @@ class NodeStatus:
                     {k: r.get(k) for k in ("round", "loss", "bpb", "tokens", "bytes_sent", "elapsed_s", "state")}
                     for r in rounds
                 ],
+                "contributed": _contributed(rounds),
                 "events": list(self.events),
             }
+
+
+def _contributed(rounds: list[dict[str, Any]]) -> dict[str, float]:
+    """Tokens each peer contributed to the rounds this node took part in (the groups' weights)."""
+    totals: dict[str, float] = {}
+    for line in rounds:
+        for peer, weight in zip(line.get("group", []), line.get("weights", []), strict=False):
+            totals[peer] = totals.get(peer, 0.0) + weight
+    return totals
