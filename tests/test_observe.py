@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from swarmtrain.config import load_config
@@ -22,9 +23,9 @@ from tests.swarm import TINY
 
 def test_a_round_that_ends_alone_is_named_after_what_the_matchmaker_heard() -> None:
     a, b = "12D3KooWaaaaaaaaaaaaaaaa", "12D3KooWbbbbbbbbbbbbbbbb"
-    late = Miss(a, "late", "the group of round 4 is already formed")
+    late = Miss(a, "late", "aaaaaaaa rejected join: the group of round 4 is already formed")
     gone = Miss(b, "unreachable", "peer unreachable: stream reset")
-    refused = Miss(b, "refused", "the group of round 4 is full")
+    refused = Miss(b, "refused", "bbbbbbbb rejected join: the group of round 4 is full")
     assert round_state("applied", 3, False, []) == (NodeState.AVERAGING, "applied in a group of 3")
     assert round_state("applied", 3, True, [])[0] is NodeState.OBSERVING
     assert round_state("applied", 1, False, [])[0] is NodeState.TRAINING  # alone in the swarm: contributing
@@ -35,6 +36,36 @@ def test_a_round_that_ends_alone_is_named_after_what_the_matchmaker_heard() -> N
     state, reason = round_state("diverged", 1, False, [refused])
     assert state is NodeState.LEFT_OUT and "is full" in reason
     assert round_state("diverged", 1, False, [])[0] is NodeState.LEFT_OUT
+
+
+async def test_a_node_late_for_its_group_left_out_or_cut_off_is_told_which_in_process() -> None:
+    """Real Averagers over the in-memory network: the state a round ends in follows what the matchmaker heard."""
+    from tests.test_averaging_memory import NUMEL, make_swarm, run_round
+
+    net, averagers = make_swarm(3)
+    for a in averagers:
+        await a.start()
+
+    def ended(averager: Any, outcome: Any) -> tuple[NodeState, str]:
+        misses = [Miss(*m) for m in averager.matchmaker.misses]
+        return round_state(outcome.outcome, outcome.group.size, False, misses)
+
+    # Round 0 with all three, so peer2 has averaged with the others (it may not apply an update alone from now on).
+    assert {o.group.size for o in await run_round(averagers, [torch.randn(NUMEL) for _ in range(3)], [1.0] * 3)} == {3}
+    pair = {"peer0", "peer1"}
+    fast = [a.run_round(torch.randn(NUMEL), 1.0, ["peer0", "peer1"], pair, 2.0) for a in averagers[:2]]
+    assert {o.group.size for o in await asyncio.gather(*fast)} == {2}
+    # peer2 comes to round 1 after peer0's group formed and moved on: late, naming the leader and its answer.
+    late = await averagers[2].run_round(torch.randn(NUMEL), 1.0, ["peer0", "peer2"], {"peer2"}, 0.3)
+    state, reason = ended(averagers[2], late)
+    assert state is NodeState.LATE and reason.startswith("late for the gather: peer0 rejected join: round 1 is over")
+    # Round 2: it leads, nobody joins it: left out.
+    alone = await averagers[2].run_round(torch.randn(NUMEL), 1.0, ["peer2"], {"peer2"}, 0.3)
+    assert ended(averagers[2], alone)[0] is NodeState.LEFT_OUT
+    # Round 3: the leader it should join is not on the network: unreachable, naming it.
+    cut = await averagers[2].run_round(torch.randn(NUMEL), 1.0, ["ghost", "peer2"], {"peer2"}, 0.3)
+    state, reason = ended(averagers[2], cut)
+    assert state is NodeState.UNREACHABLE and reason.startswith("could not reach ghost to average"), reason
 
 
 def _line(round_: int, loss: float, sent: int, outcome: str = "applied") -> dict[str, Any]:

@@ -139,7 +139,12 @@ class Node:
             resolve_device(config.train.device)  # a device asked for and absent fails before the daemon starts
 
         http = self._start_http()
-        p2p = await start_p2p(config, identity)
+        try:
+            p2p = await start_p2p(config, identity)
+        except BaseException:
+            if http is not None:
+                http.close()
+            raise
         dht = None
         trainer: InnerLoop | None = None
         try:

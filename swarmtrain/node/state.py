@@ -64,11 +64,11 @@ def round_state(outcome: str, group_size: int, observing: bool, misses: list[Mis
         return NodeState.TRAINING, "alone in the swarm: applied its own update"
     late = [m for m in misses if m.kind == "late"]
     if late:
-        return NodeState.LATE, f"late for the gather: {late[0].peer[-8:]} answered '{late[0].message}'"
+        return NodeState.LATE, f"late for the gather: {late[0].message}"
     if misses and all(m.kind == "unreachable" for m in misses):
-        peers = ", ".join(m.peer[-8:] for m in misses)
+        peers = ", ".join(dict.fromkeys(m.peer[-8:] for m in misses))
         return NodeState.UNREACHABLE, f"could not reach {peers} to average: {misses[0].message}"
-    heard = f"; {misses[0].peer[-8:]} answered '{misses[0].message}'" if misses else ""
+    heard = f" ({misses[0].message})" if misses else ""
     return NodeState.LEFT_OUT, f"left out by the group: peers are live but no group took it in{heard}"
 
 
