@@ -159,6 +159,24 @@ def status(
 
 
 @cli.command()
+@common_options
+@swarm_options
+def doctor(
+    config_path: str | None, overrides: tuple[str, ...], data: str | None, run_dir: str | None,
+    join: tuple[str, ...], host: tuple[str, ...], announce: tuple[str, ...],
+) -> None:  # fmt: skip
+    """Check this machine and config before running a node: run directory and disk, data, ports, the p2p daemon,
+    the announced address, and (with --join) the swarm's settings against this config. Each failure names its
+    fix; the exit status is 1 when one fails."""
+    from swarmtrain.node.doctor import run_checks
+
+    flags = {"data.path": data, "run_dir": run_dir}
+    config = resolve(config_path, overrides, **flags, **_addrs(join, host, announce))
+    if not run_checks(config, lambda check: click.echo("\n".join(check.lines()))):
+        sys.exit(1)
+
+
+@cli.command()
 @click.argument("path", type=click.Path(dir_okay=False))
 @click.option("--swarm", is_flag=True, help="Write a new swarm key (node.swarm_key) instead of a peer identity.")
 def keygen(path: str, swarm: bool) -> None:

@@ -262,6 +262,14 @@ class AttackConfig(_Section):
         return self
 
 
+class ObserveConfig(_Section):
+    http_port: int | None = Field(None, ge=0, le=65535)
+    """Port of the node's HTTP endpoint (/status JSON, /metrics for Prometheus); unset means off, 0 picks a free
+    port. The node prints the URL and writes it to <run_dir>/http.txt."""
+    http_host: str = "127.0.0.1"
+    """Address the HTTP endpoint listens on; the default serves this machine only (0.0.0.0 serves everyone)."""
+
+
 class Config(_Section):
     run_dir: str = "runs/default"
     """Directory for checkpoints, the resolved config and metrics."""
@@ -279,6 +287,8 @@ class Config(_Section):
     """Local training in stages on this machine's cores (`swarmtrain localtrain bench`, train.trainer)."""
     attack: AttackConfig = Field(default_factory=AttackConfig)
     """TEST ONLY: hostile behaviour for tests and benchmarks of robust aggregation."""
+    observe: ObserveConfig = Field(default_factory=ObserveConfig)
+    """The node's HTTP endpoint: status, metrics."""
 
     @model_validator(mode="after")
     def _check_aggregator(self) -> Config:

@@ -46,6 +46,16 @@ def check_weight(weight: Any) -> float:
     return float(weight)
 
 
+def _miss_kind(exc: Exception) -> str:
+    """Why a join failed, in one word: "late" (the group had formed or the round was over), "unreachable" or
+    "refused"; the node names its state after it."""
+    if isinstance(exc, RemoteError) and (exc.code == "over" or "already formed" in str(exc)):
+        return "late"
+    if isinstance(exc, PeerUnreachable | RpcTimeout):
+        return "unreachable"
+    return "refused"
+
+
 class Matchmaker:
     def __init__(
         self, transport: Transport, header: dict[str, Any], group_size: int, min_budget_s: float = 0.0
@@ -59,6 +69,7 @@ class Matchmaker:
         self.lobbies: dict[int, Lobby] = {}
         self.join_timeout = 60.0
         self.bans = Bans(self.me, 0)  # set by the averager (``averaging.ban_rounds``)
+        self.misses: list[tuple[str, str, str]] = []  # this round's leaders I could not join: (peer, kind, why)
         # Set while this node catches up with the swarm: it will not lead a round it is behind on, so joiners are
         # sent on to the next candidate at once instead of waiting on it until their join timeout.
         self._catching_up = asyncio.Event()
@@ -167,6 +178,7 @@ class Matchmaker:
             candidates = [c for c in candidates if c not in banned]
             expected = expected - banned.keys()
         queue, tried, broken = list(candidates), set(), set()
+        self.misses = []
         # A peer that redirects to a leader I found dead is failing over itself: it pings that leader a few times
         # (seconds under load) before it leads; ask it again until then rather than lead a group of my own.
         retry_until = asyncio.get_running_loop().time() + gather_timeout + self.join_timeout
@@ -189,6 +201,7 @@ class Matchmaker:
                         f"this node cannot train with the swarm: the peer answered: {exc}"
                     ) from None
                 log.info("round %d: could not join %s: %s", round_, candidate[-8:], exc)
+                self.misses.append((candidate, _miss_kind(exc), str(exc)))
                 if weight == 0 and isinstance(exc, RemoteError) and exc.code == "over":
                     break  # an observer behind the swarm: nothing to lead with, catch up again at once
                 if isinstance(exc, PeerUnreachable) and candidate not in broken:

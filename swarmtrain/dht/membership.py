@@ -48,6 +48,8 @@ class PeerRecord(BaseModel):
     digest: str = Field("", max_length=64)
     inner_s: float = Field(0.0, ge=0.0, le=MAX_INNER_S, allow_inf_nan=False)  # its last inner phase, s (0: none)
     device: str = Field("", max_length=32)  # where its inner steps run (cpu, cuda:0, mps); "" for a bootstrap peer
+    state: str = Field("", max_length=16)  # why it is or is not contributing (swarmtrain.node.state.NodeState)
+    reason: str = Field("", max_length=240)  # the state's reason, e.g. whom it catches up from and how far
 
 
 class _RecordV1(pv1.BaseModel):
@@ -62,6 +64,8 @@ class _RecordV1(pv1.BaseModel):
     digest: pv1.StrictStr
     inner_s: pv1.StrictFloat
     device: pv1.StrictStr
+    state: pv1.StrictStr = ""
+    reason: pv1.StrictStr = ""
     mac: pv1.StrictStr  # the private swarm's MAC over subkey and record ("" in a public swarm)
 
 

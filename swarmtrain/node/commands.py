@@ -24,6 +24,7 @@ from swarmtrain.config import Config
 from swarmtrain.dht import PeerRecord, load_identity_key, read_record
 from swarmtrain.net import P2PTransport, load_auth, serve_hello
 from swarmtrain.node.node import Node, NodeError, join_line, start_dht, start_p2p
+from swarmtrain.node.settings import serve_settings, swarm_settings
 from swarmtrain.signals import STOP_SIGNALS, handled_by_loop
 
 
@@ -70,7 +71,9 @@ def run_bootstrap(config: Config) -> None:
         auth = load_auth(config.node.swarm_key, config.node.allow_peers)
         p2p = await start_p2p(config, identity)
         try:
-            await serve_hello(P2PTransport(p2p, auth=auth))  # joiners check their swarm key with this peer
+            transport = P2PTransport(p2p, auth=auth)
+            await serve_hello(transport)  # joiners check their swarm key with this peer
+            await serve_settings(transport, swarm_settings(config, trains=False))  # and their run id
             dht = await start_dht(p2p, config, load_identity_key(identity))
             maddrs = await p2p.get_visible_maddrs()
             print(f"bootstrap peer {p2p.peer_id} is up; nodes join with: swarmtrain node {join_line(maddrs)}")
@@ -117,11 +120,12 @@ def show_status(config: Config, as_json: bool) -> None:
         print(json.dumps([r.model_dump() for r in records], indent=2))
         return
     table = Table(title=f"swarm {config.node.run_id!r}: {len(records)} peers")
-    for column in ("peer", "round", "phase", "device", "tokens/s", "batch", "digest", "address"):
-        table.add_column(column)
+    for column in ("peer", "round", "state", "reason", "device", "tokens/s", "batch", "digest", "address"):
+        table.add_column(column, overflow="fold")
     for r in records:
         row: list[Any] = [
-            r.peer_id[-12:], r.round, r.phase, r.device or "-", f"{r.tokens_per_s:,.0f}", r.batch_size, r.digest[:8]
+            r.peer_id[-12:], r.round, r.state or r.phase, r.reason or "-", r.device or "-", f"{r.tokens_per_s:,.0f}",
+            r.batch_size, r.digest[:8],
         ]  # fmt: skip
         table.add_row(*map(str, row), r.addrs[0] if r.addrs else "")
     Console().print(table)

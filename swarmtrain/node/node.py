@@ -35,7 +35,10 @@ from swarmtrain.dht import Membership, PeerRecord, load_identity_key, record_val
 from swarmtrain.errors import CheckpointError, SwarmtrainError
 from swarmtrain.net import P2PTransport, load_auth, serve_hello, verify_swarm
 from swarmtrain.node.inner import InnerLoop, build_inner_loop
+from swarmtrain.node.observe import NodeMetrics, ObserveServer, dashboard
 from swarmtrain.node.resume import open_run_dir, outer_state
+from swarmtrain.node.settings import ConfigMismatch, check_settings, serve_settings, swarm_settings
+from swarmtrain.node.state import Miss, NodeState, NodeStatus, round_state
 from swarmtrain.train import Checkpoint, configure_threads, save_checkpoint
 from swarmtrain.train.device import resolve_device
 
@@ -109,11 +112,16 @@ class Node:
         self._trainer: InnerLoop | None = None
         self._averager: Averager | None = None
         self._last_group: tuple[str, ...] = ()  # the members of my last round with others
+        self.status = NodeStatus()  # why this node is or is not contributing: DHT record, metrics, /status
+        self.metrics = NodeMetrics()
+        self.status.listeners.append(self.metrics.on_state)
+        self._membership: Membership | None = None
 
     def request_leave(self) -> float:
         """Leave gracefully: cut the inner steps short, contribute them to the current round, finish that round,
         then leave. Returns the seconds that may take (the caller cancels the node after them)."""
         self.leaving = True
+        self.status.set(NodeState.LEAVING, "asked to leave: finishing the current round first")
         if self._trainer is not None:
             self._trainer.interrupt()
         avg = self.config.averaging
@@ -135,19 +143,28 @@ class Node:
         if config.train.trainer == "standard":
             resolve_device(config.train.device)  # a device asked for and absent fails before the daemon starts
 
-        p2p = await start_p2p(config, identity)
+        http = self._start_http()
+        try:
+            p2p = await start_p2p(config, identity)
+        except BaseException:
+            if http is not None:
+                http.close()
+            raise
         dht = None
         trainer: InnerLoop | None = None
         try:
             private_key = load_identity_key(identity)  # records are signed by the identity they describe
             dht = await start_dht(p2p, config, private_key)
             me = p2p.peer_id.to_base58()
+            self.status.peer_id = me
             data_seed = node.data_seed if node.data_seed is not None else zlib.crc32(me.encode())
             trainer = build_inner_loop(config, corpus, data_seed)  # standard or localtrain (train.trainer)
             theta = trainer.vector()
             self.numel = theta.numel()
             transport = P2PTransport(p2p, auth=auth)
             await serve_hello(transport)
+            settings = swarm_settings(config)
+            await serve_settings(transport, settings)
             await verify_swarm(transport, join_peers(config))  # a key mismatch is an error, not a silent solo run
             averager = Averager(
                 transport, theta, run_id=node.run_id, group_size=avg.group_size, outer_lr=avg.outer_lr,
@@ -167,12 +184,18 @@ class Node:
                 peer_id=me, addrs=[str(m) for m in maddrs], proto=PROTOCOL_VERSION, run_id=node.run_id,
                 round=averager.round, phase="training", tokens_per_s=0.0, batch_size=config.train.batch_size,
                 digest=averager.outer.digest() if checkpoint is not None else "", device=trainer.device,
+                state=str(self.status.state), reason=self.status.reason[:240],
             )  # fmt: skip
             signer, _ = record_validators(node.run_id, private_key)
             membership = Membership(dht, signer, record, ttl=node.record_ttl_s, auth=auth)
+            self._membership = membership
+            self.status.listeners.append(lambda state, why: membership.update(state=str(state), reason=why[:240]))
+            self.status.peers_source = lambda: _peer_table(membership)
             write_resolved(config, self.run_dir)
             (self.run_dir / "join.txt").write_text("\n".join(str(m) for m in maddrs) + "\n")
             print(f"peer {me} is up; to join this swarm run: swarmtrain node {join_line(maddrs)}", flush=True)
+            await membership.refresh()  # a first look, before this node shows itself to the swarm
+            await self._check_settings(transport, membership, settings)
             await membership.publish()
             await membership.refresh()
             heartbeat = asyncio.create_task(membership.run(node.heartbeat_s))
@@ -193,12 +216,46 @@ class Node:
                 with contextlib.suppress(Exception):
                     await dht.shutdown()
             await p2p.shutdown()
+            if http is not None:
+                http.close()
+
+    def _start_http(self) -> ObserveServer | None:
+        """The /status and /metrics endpoint when observe.http_port is set (before the daemon: a port in use is
+        an error at once, not after the node joined)."""
+        observe = self.config.observe
+        if observe.http_port is None:
+            return None
+        try:
+            server = ObserveServer(self.status, self.metrics, observe.http_host, observe.http_port, pages=dashboard())
+        except OSError as exc:
+            raise NodeError(
+                f"node error: cannot serve observe.http_port={observe.http_port} on {observe.http_host} "
+                f"({exc.strerror}); pick a free port, or 0 for any."
+            ) from None
+        server.start()
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        (self.run_dir / "http.txt").write_text(server.url + "\n")
+        print(f"dashboard at {server.url}/ (and {server.url}/status, {server.url}/metrics)", flush=True)
+        return server
+
+    async def _check_settings(self, transport: Any, membership: Membership, settings: dict[str, Any]) -> None:
+        """Stop before training if the swarm's settings differ from mine (see ``swarmtrain.node.settings``); the
+        record that says so is published as a leave, so no peer puts this node in a group."""
+        others = [p for p in membership.view if p != membership.record.peer_id]
+        try:
+            await check_settings(transport, [*join_peers(self.config), *others], settings)
+        except ConfigMismatch as exc:
+            self.status.set(NodeState.CONFIG_MISMATCH, exc.summary)
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(membership.leave(), 3.0)
+            raise
 
     async def _wait_for_peers(self, membership: Membership) -> None:
         node = self.config.node
         deadline = time.monotonic() + node.min_peers_timeout_s
         if len(membership.view) < node.min_peers:
             print(f"waiting for {node.min_peers} peers (node.min_peers) ...", flush=True)
+            self.status.set(NodeState.STARTING, f"waiting for {node.min_peers} peers (node.min_peers)")
         while len(membership.view) < node.min_peers and time.monotonic() < deadline:
             await asyncio.sleep(min(0.2, node.heartbeat_s))
         if len(membership.view) < node.min_peers:
@@ -221,6 +278,7 @@ class Node:
         self, averager: Averager, membership: Membership, trainer: InnerLoop, deadline: float
     ) -> None:
         membership.update(phase="syncing")
+        self.status.set(NodeState.CATCHING_UP, f"looking for peers ahead of round {averager.round}")
         while True:
             ahead = [
                 r
@@ -253,6 +311,11 @@ class Node:
                     ahead = []
             if ahead:
                 donors = [r.peer_id for r in ahead if (r.round, r.digest) == (target, digest)]
+                self.status.set(
+                    NodeState.CATCHING_UP,
+                    f"from {donors[0][-8:]}{f' (or {len(donors) - 1} more)' if len(donors) > 1 else ''}: round "
+                    f"{averager.round} -> {target}, {target - averager.round} rounds behind",
+                )
                 if await averager.fetch_state(donors, digest, max_round=target):
                     log.info("caught up with the swarm at round %d (digest %s)", averager.round, digest[:8])
                     self._load_theta(trainer, averager)
@@ -311,7 +374,10 @@ class Node:
                 # (weight 0, no update) and receive its average, so from the next round on we are in step.
                 self.observe = False
                 loss, tokens = float("nan"), 0
+                self.status.set(NodeState.OBSERVING, f"sitting in on round {averager.round} with weight 0")
             else:
+                if not self.leaving:
+                    self.status.set(NodeState.TRAINING, f"inner steps of round {averager.round}")
                 loss, tokens, inner_s = await asyncio.to_thread(
                     trainer.run, node.inner_steps, node.inner_time_s, node.test_step_delay_s
                 )
@@ -319,6 +385,8 @@ class Node:
                 if self.leaving and tokens == 0:
                     break  # asked to leave before a single step of this round: nothing to contribute
             membership.update(phase="averaging", tokens_per_s=tokens / max(last_inner, 1e-9), inner_s=last_inner)
+            if not self.leaving and not observing:
+                self.status.set(NodeState.AVERAGING, f"outer step of round {averager.round}")
             await membership.publish()
             sent, received = transport.counter.sent, transport.counter.received
             delta = averager.outer.theta - trainer.vector()
@@ -337,10 +405,15 @@ class Node:
                 outcome = await averager.run_round(delta, float(tokens), candidates, set(candidates), gather)
             except (SwarmtrainError, OSError) as exc:  # a round that broke must not take the node down
                 log.error("round %d failed (%r); catching up from the swarm before the next one", averager.round, exc)
+                self.status.set(NodeState.LEFT_OUT, f"round {averager.round} failed ({exc}); catching up")
                 averager.round += 1
                 averager.needs_catch_up = True
                 continue
             self._load_theta(trainer, averager)
+            misses = [Miss(*m) for m in averager.matchmaker.misses]
+            state, reason = round_state(outcome.outcome, outcome.group.size, observing, misses)
+            if not self.leaving:
+                self.status.set(state, f"round {outcome.round}: {reason}")
             if observing and outcome.group.size == 1:
                 # The round I caught up into was over before I could sit in (its group formed while I downloaded):
                 # still syncing, not a round I took part in. Catch up with the next one.
@@ -366,6 +439,8 @@ class Node:
                 break
         if not self.leaving:
             await self._finish(trainer, averager, membership, last_inner)
+        else:
+            self.status.set(NodeState.LEAVING, f"left after round {averager.round - 1}")
         bpb = await asyncio.to_thread(trainer.evaluate)
         self._append({"kind": "final", "peer_id": averager.me, "round": averager.round, "bpb": bpb,
                       "elapsed_s": round(time.perf_counter() - started, 3), "tokens": trainer.tokens})  # fmt: skip
@@ -382,6 +457,7 @@ class Node:
             await self._catch_up(averager, membership, trainer, wait_s=max(30.0, 4 * last_inner))
         mine = (averager.round, averager.outer.digest())
         membership.update(round=mine[0], digest=mine[1], phase="done")
+        self.status.set(NodeState.DONE, f"finished {mine[0]} rounds; serving the final state to peers behind")
         await membership.publish()
         until = time.monotonic() + self.config.averaging.min_gather_s + 4 * averager.deadline_s()
         waiting: set[str] = set()
@@ -445,6 +521,8 @@ class Node:
             "applied_fraction": outcome.applied_fraction,
             "excluded": outcome.excluded,
             "elapsed_s": round(time.perf_counter() - started, 3),
+            "state": str(self.status.state),
+            "state_reason": self.status.reason,
         }
         if bpb is not None:
             record["bpb"] = bpb
@@ -453,6 +531,8 @@ class Node:
         if outcome.phases:
             record["phases"] = outcome.phases
         self._append(record)
+        self.status.add_round(record)
+        self.metrics.on_round(record, len(self._membership.view) if self._membership is not None else 1)
         log.info(
             "round %d: %s in a group of %d, loss %.3f, %.2f s, digest %s",
             outcome.round, outcome.outcome, outcome.group.size, loss, outcome.duration_s, outcome.digest[:8],
@@ -476,3 +556,12 @@ def _hostile(config: Config, seed: int) -> Attack | None:
         return None
     log.warning("TEST ONLY: this node is hostile (attack.kind = %s): its updates are not honest", config.attack.kind)
     return Attack(config.attack.kind, scale=config.attack.scale, z=config.attack.z, seed=seed)
+
+
+def _peer_table(membership: Membership) -> dict[str, dict[str, Any]]:
+    """Each peer in the view as /status shows it (read from the HTTP thread: the view is replaced, never mutated)."""
+    return {
+        p: {"round": r.round, "state": r.state, "reason": r.reason, "phase": r.phase, "tokens_per_s": r.tokens_per_s,
+            "device": r.device, "addrs": r.addrs[:1]}
+        for p, r in membership.view.items()
+    }  # fmt: skip
