@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from swarmtrain.averaging.exchange import MAX_ABS_VALUE, AllReduceResult, GroupExchange, wait_or_dead
+from swarmtrain.averaging.exchange import MAX_ABS_VALUE, AllReduceResult, GroupExchange
 from swarmtrain.averaging.group import Group
 from swarmtrain.averaging.robust import Aggregator
 from swarmtrain.compression import BaseCodec, CodecError, CodecState, get_codec, peek_header
@@ -212,7 +212,7 @@ class AllGather(GroupExchange):
                 self.complete[self.me].set()
                 sends = [self._send_to(p, mine) for p in members if p != self.me]
             waits = [
-                wait_or_dead(self.complete[p], self.liveness.watch(p), self.transfer_deadline)
+                self.wait_on(self.complete[p], p, self.transfer_deadline)
                 for p in members
                 if p != self.me and self._contributes(p)
             ]

@@ -317,4 +317,4 @@ class AllReduce(GroupExchange):
 
     async def _gather(self) -> None:
         for j, peer in enumerate(self.group.members):
-            await wait_or_dead(self.results[j].complete, self.liveness.watch(peer), self.transfer_deadline)
+            await self.wait_on(self.results[j].complete, peer, self.transfer_deadline)

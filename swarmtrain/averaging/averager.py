@@ -181,6 +181,8 @@ class Averager:
         self.check_header(header)
         group_id = header.get("group")
         route = self._route(group_id, sender)
+        if route.done():  # the common case: my exchange of this group is under way
+            return route.result()
         try:
             return await asyncio.wait_for(asyncio.shield(route), _ROUTE_WAIT)
         except TimeoutError:

@@ -82,7 +82,7 @@ async def wait_or_dead(done: asyncio.Event, dead: asyncio.Event, deadline: float
     if done.is_set():
         return True
     timeout = deadline - asyncio.get_running_loop().time()
-    if timeout <= 0:
+    if timeout <= 0 or dead.is_set():
         return False
     waiters = [asyncio.ensure_future(done.wait()), asyncio.ensure_future(dead.wait())]
     try:
@@ -155,6 +155,13 @@ class GroupExchange(ABC):
         self.transfer_deadline = loop_now + 0.75 * span
         self.report_deadline = loop_now + 0.82 * span
         self.relay_deadline = loop_now + 0.88 * span
+
+    async def wait_on(self, done: asyncio.Event, peer: str, deadline: float) -> bool:
+        """Wait until ``done``, ``peer`` is found gone or the deadline; ``peer`` is pinged only while I wait on it
+        (a member whose message is already here costs no pings)."""
+        if done.is_set():
+            return True
+        return await wait_or_dead(done, self.liveness.watch(peer), deadline)
 
     def _check_member(self, sender: str) -> int:
         if sender not in self.group.members:
@@ -316,7 +323,7 @@ class GroupExchange(ABC):
             sends[peer] = asyncio.ensure_future(self._send_small(peer, method, header, until))
         for peer in others:
             if peer not in self.liveness.dead:
-                await wait_or_dead(inbox[peer], self.liveness.watch(peer), deadline)
+                await self.wait_on(inbox[peer], peer, deadline)
         for peer, task in sends.items():  # what I send to members gone by now finishes in the background
             if peer in self.liveness.dead:
                 self._background.add(task)

@@ -30,7 +30,7 @@ def saturate(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 def float_size(count: int, dtype: torch.dtype) -> int:
     """Bytes that ``count`` values of ``dtype`` occupy on the wire."""
-    return count * torch.empty((), dtype=dtype).element_size()
+    return count * dtype.itemsize
 
 
 def float_body(x: torch.Tensor, dtype: torch.dtype) -> memoryview:

@@ -150,8 +150,7 @@ def read_tensor(body: memoryview, offset: int, count: int, dtype: torch.dtype) -
     """A fresh tensor of ``count`` elements of ``dtype`` copied from ``body[offset:]`` (bounds already checked)."""
     if count == 0:
         return torch.empty(0, dtype=dtype)
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    raw = np.frombuffer(body, dtype=np.uint8, count=count * itemsize, offset=offset).copy()
+    raw = np.frombuffer(body, dtype=np.uint8, count=count * dtype.itemsize, offset=offset).copy()
     return torch.from_numpy(raw).view(dtype)
 
 
