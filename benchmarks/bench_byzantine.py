@@ -6,8 +6,9 @@
 In process, over the in-memory transport (``MemoryNetwork``): eight real ``Averager``s and eight real trainers
 (``swarmtrain.node.inner``, the standard trainer) of one small model on the default corpus, trained in turn on
 this machine; a round is H inner steps per member, then one group round of all eight (DiLoCo outer step: Nesterov,
-lr 0.7, momentum 0.9, fp16 updates). Hostile members train like the others and replace their contribution with
-``attack.kind`` (``swarmtrain/averaging/attack.py``). Real node processes run the same code path (``attack.kind``
+lr 0.7, momentum 0.9, fp16 updates) with a node's default bans (``averaging.ban_rounds``). Hostile members train
+like the others and replace their contribution with ``attack.kind`` (``swarmtrain/averaging/attack.py``); a
+banned one trains and waits alone until its ban ends. Real node processes run the same code path (``attack.kind``
 in a node's config); this benchmark stays in process so that one run of all of it fits in minutes on 2 cores.
 
 Per run: the final held-out bits per byte of theta_g (an honest member's), whether any honest theta_g was ever
@@ -68,10 +69,11 @@ async def one_run(config, corpus, aggregator: str, kind: str | None, hostile: in
                 codec_up=attack.wrap_codec(codec) if attack else codec,
                 codec_down=codec,
                 part_numel=1 << 14,
-                min_deadline=10.0,
+                min_deadline=2.0,
                 deadline_factor=4.0,
                 aggregator=parse_aggregator(aggregator),
                 attack=attack,
+                ban_rounds=config.averaging.ban_rounds,
             )  # fmt: skip
         )
     for a in averagers:
@@ -88,9 +90,7 @@ async def one_run(config, corpus, aggregator: str, kind: str | None, hostile: in
             weights.append(float(tokens))
         outcomes = await asyncio.gather(
             *(
-                a.run_round(
-                    d, w, leader_candidates(peers, a.me, 16, "bench", a.round), set(peers), gather_timeout=10.0
-                )
+                a.run_round(d, w, leader_candidates(peers, a.me, 16, "bench", a.round), set(peers), gather_timeout=2.0)
                 for a, d, w in zip(averagers, deltas, weights, strict=True)
             )
         )

@@ -285,7 +285,7 @@ class AllGather(GroupExchange):
 
     def _refuse(self, j: int, peer: str, applied: list[bool]) -> None:
         applied[j] = False  # every member fails the same bytes alike
-        self.invalid.setdefault(peer, "its payload decodes to non-finite or out-of-bound values")
+        self.invalid.setdefault(peer, "a payload that decodes to non-finite or out-of-bound values")
 
     def _decode_into(self, out: torch.Tensor, frames: list[bytes]) -> bool:
         for seg, frame in zip(self.segments, frames, strict=True):

@@ -103,7 +103,7 @@ class Matchmaker:
             raise self._behind(current_round)
         banned = self.bans.reason(sender, round_)
         if banned is not None:
-            raise Rejected(f"this peer has {banned}", code="banned")
+            raise Rejected(f"you are {banned}", code="banned")
         weight = check_weight(header.get("weight"))
         digest = header.get("digest")
         if not isinstance(digest, str) or len(digest) > 64:
