@@ -147,7 +147,8 @@ class Runner:
             resume = True
         proc = self.procs.start(self.node_args(name, run_dir, initial, resume), run_dir / "node.log")
         self.lives[name].append(Incarnation(name, number, run_dir, proc, time.time()))
-        self.record("start", name, run_dir=str(run_dir.relative_to(self.out)), pid=proc.pid, initial=initial)
+        where = str(run_dir.relative_to(self.out))
+        self.record("start", name, run_dir=where, pid=proc.pid, initial=initial, incarnation=number)
 
     @staticmethod
     def rates(firing: Firing) -> dict[str, float | None]:
@@ -200,18 +201,17 @@ class Runner:
 
     def reap_exits(self) -> None:
         for name, lives in self.lives.items():
-            life = lives[-1] if lives else None
-            if life is None or life.ended is not None:
-                continue
-            code = self.procs.exit_code(life.proc)
-            if code is None:
-                continue
-            life.ended, life.exit_code = time.time(), code
-            killed = self.states[name] == "gone"
-            self.states[name] = "gone"
-            self.record("exit", name, code=code, killed=killed)
-            if not killed:
-                self.say(f"{name} exited (code {code})")
+            for life in lives:  # an earlier life too: a node killed and back within one poll
+                if life.ended is not None or (code := self.procs.exit_code(life.proc)) is None:
+                    continue
+                life.ended, life.exit_code = time.time(), code
+                latest = life is lives[-1]
+                killed = not latest or self.states[name] == "gone"
+                if latest:
+                    self.states[name] = "gone"
+                self.record("exit", name, code=code, killed=killed, incarnation=life.number)
+                if not killed:
+                    self.say(f"{name} exited (code {code})")
 
     def alive(self) -> list[str]:
         return [n for n, lives in self.lives.items() if lives and lives[-1].ended is None]
