@@ -126,7 +126,10 @@ class Runner:
         if isinstance(data, str) and not Path(data).is_absolute() and (self.spec.path.parent / data).exists():
             settings["data.path"] = str(self.spec.path.parent / data)  # relative to the scenario file
         initial_count = sum(n.start for n in self.spec.nodes)
-        settings["node.min_peers"] = initial_count if initial else 1  # the first nodes start round 0 together
+        # The first nodes start round 0 together. A joiner waits until it sees one peer of the running swarm: its
+        # first look at the DHT through the bootstrap peer can come back empty, and a node that sees no one trains
+        # on as a swarm of one from round 0 (seen in two runs: 13 s after its start it was on its own).
+        settings["node.min_peers"] = initial_count if initial else min(2, len(self.spec.nodes))
         args = [sys.executable, "-m", "swarmtrain", "node", "--run-dir", str(run_dir), "--join", self.join_addr]
         if self.net is not None:
             args = [*self.net.prefix(name), *args, "--host", f"/ip4/{self.net.links[name].address}/tcp/0"]
