@@ -109,3 +109,28 @@ def test_compare_tables_each_run_and_plots_the_swarm_curve_of_the_live_nodes(fol
     # After node1's kill (it ended at 10 s) its bpb no longer counts: at 12 s the mean is node0's and node2's.
     assert points[-1] == pytest.approx((12.0, 700, 7000, (6.0 + 6.0) / 2))
     assert points[1] == pytest.approx((4.1, 200, 2000, 8.0))
+
+
+def test_members_over_time_ignore_the_late_exit_of_a_process_whose_node_is_back_already() -> None:
+    from swarmtrain.scenarios.plots import members_over_time
+
+    events = [
+        {"t": 0.0, "action": "start", "node": "node0", "incarnation": 1},
+        {"t": 0.0, "action": "start", "node": "node1", "incarnation": 1},
+        {"t": 5.0, "action": "kill", "node": "node1"},
+        {"t": 5.2, "action": "start", "node": "node1", "incarnation": 2},
+        {"t": 5.2, "action": "join", "node": "node1"},
+        {"t": 5.5, "action": "exit", "node": "node1", "incarnation": 1},
+        {"t": 6.0, "action": "pause", "node": "node0"},
+        {"t": 7.0, "action": "resume", "node": "node0", "skipped": ""},
+    ]
+    assert members_over_time(events) == [
+        (0.0, 0),
+        (0.0, 1),
+        (0.0, 2),
+        (5.0, 1),
+        (5.2, 2),
+        (5.2, 2),
+        (6.0, 1),
+        (7.0, 2),
+    ]

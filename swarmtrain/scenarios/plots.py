@@ -53,8 +53,13 @@ def plot_loss(rows: list[dict[str, Any]], path: Path) -> None:
 def members_over_time(events: list[dict[str, Any]]) -> list[tuple[float, int]]:
     """(t, live nodes) after each event: running or finishing a graceful leave counts as live."""
     state: dict[str, str] = {}
+    life: dict[str, int] = {}
     steps = [(0.0, 0)]
     for e in events:
+        if e["action"] == "start":
+            life[e["node"]] = e.get("incarnation", 1)
+        elif e["action"] == "exit" and e.get("incarnation", 1) != life.get(e["node"]):
+            continue  # an earlier process of a node that is back already
         if e["node"] is not None and e["action"] in LIVE and not e.get("skipped"):
             state[e["node"]] = LIVE[e["action"]]
             steps.append((e["t"], sum(s in ("running", "leaving") for s in state.values())))

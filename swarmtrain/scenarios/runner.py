@@ -126,7 +126,10 @@ class Runner:
         if isinstance(data, str) and not Path(data).is_absolute() and (self.spec.path.parent / data).exists():
             settings["data.path"] = str(self.spec.path.parent / data)  # relative to the scenario file
         initial_count = sum(n.start for n in self.spec.nodes)
-        settings["node.min_peers"] = initial_count if initial else 1  # the first nodes start round 0 together
+        # The first nodes start round 0 together. A joiner waits until it sees one peer of the running swarm: its
+        # first look at the DHT through the bootstrap peer can come back empty, and a node that sees no one trains
+        # on as a swarm of one from round 0 (seen in two runs: 13 s after its start it was on its own).
+        settings["node.min_peers"] = initial_count if initial else min(2, len(self.spec.nodes))
         args = [sys.executable, "-m", "swarmtrain", "node", "--run-dir", str(run_dir), "--join", self.join_addr]
         if self.net is not None:
             args = [*self.net.prefix(name), *args, "--host", f"/ip4/{self.net.links[name].address}/tcp/0"]
@@ -147,7 +150,8 @@ class Runner:
             resume = True
         proc = self.procs.start(self.node_args(name, run_dir, initial, resume), run_dir / "node.log")
         self.lives[name].append(Incarnation(name, number, run_dir, proc, time.time()))
-        self.record("start", name, run_dir=str(run_dir.relative_to(self.out)), pid=proc.pid, initial=initial)
+        where = str(run_dir.relative_to(self.out))
+        self.record("start", name, run_dir=where, pid=proc.pid, initial=initial, incarnation=number)
 
     @staticmethod
     def rates(firing: Firing) -> dict[str, float | None]:
@@ -200,18 +204,17 @@ class Runner:
 
     def reap_exits(self) -> None:
         for name, lives in self.lives.items():
-            life = lives[-1] if lives else None
-            if life is None or life.ended is not None:
-                continue
-            code = self.procs.exit_code(life.proc)
-            if code is None:
-                continue
-            life.ended, life.exit_code = time.time(), code
-            killed = self.states[name] == "gone"
-            self.states[name] = "gone"
-            self.record("exit", name, code=code, killed=killed)
-            if not killed:
-                self.say(f"{name} exited (code {code})")
+            for life in lives:  # an earlier life too: a node killed and back within one poll
+                if life.ended is not None or (code := self.procs.exit_code(life.proc)) is None:
+                    continue
+                life.ended, life.exit_code = time.time(), code
+                latest = life is lives[-1]
+                killed = not latest or self.states[name] == "gone"
+                if latest:
+                    self.states[name] = "gone"
+                self.record("exit", name, code=code, killed=killed, incarnation=life.number)
+                if not killed:
+                    self.say(f"{name} exited (code {code})")
 
     def alive(self) -> list[str]:
         return [n for n, lives in self.lives.items() if lives and lives[-1].ended is None]
