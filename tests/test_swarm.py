@@ -209,6 +209,9 @@ def test_a_late_joiner_syncs_and_contributes_within_two_rounds(swarm: Swarm) -> 
     rows = swarm.rounds("c")
     # Up while the others train: it sits in on the round it caught up into and contributes from the next.
     assert since - rows[0]["round"] <= 2, rows[:4]
+    # Its first round line names the state that round left it in, with the reason (swarmtrain.node.state).
+    assert (rows[0]["state"], rows[0]["tokens"]) == ("observing", 0), rows[0]
+    assert rows[0]["state_reason"].startswith(f"round {rows[0]['round']}: sat in with weight 0"), rows[0]
     assert all(r["tokens"] > 0 and r["group_size"] > 1 for r in rows if since <= r["round"] <= since + 2), rows
     # Every group of every round ends with one digest, the joiner's included.
     by_group: dict[str, set[str]] = {}
