@@ -65,9 +65,19 @@ def test_a_node_frozen_past_the_deadline_resyncs_and_contributes_again(swarm: Sw
     rows = {name: {r["round"]: r for r in swarm.rounds(name)} for name in names}
     gap = [r for k, r in rows["n0"].items() if stopped_at < k <= resumed_at]
     assert gap and all(r["group_size"] == 2 and r["duration_s"] < 8 * 3 for r in gap)
-    # n2 noticed it was cut off, caught up, and from then on holds the others' digest in every round it shares.
+    # The members that never stopped confirmed every round and hold one state in each.
+    for name in ("n0", "n1"):
+        assert all(r["outcome"] != "diverged" for r in rows[name].values()), (name, rows[name])
+    assert all(r["digest"] == rows["n0"][k]["digest"] for k, r in rows["n1"].items() if k in rows["n0"])
+    # n2 noticed it was cut off and caught up; from its first confirmed round after that, it holds the others'
+    # digest in every round it shares with them and never diverges again.
     assert any(r["outcome"] == "diverged" for r in rows["n2"].values())
-    shared = [k for k in rows["n2"] if k > resumed_at and k in rows["n0"] and rows["n2"][k]["outcome"] != "diverged"]
+    later = sorted(k for k in rows["n2"] if k > resumed_at)
+    back = next((k for k in later if rows["n2"][k]["outcome"] != "diverged"), None)
+    assert back is not None, f"n2 never confirmed a round after it resumed: {[rows['n2'][k] for k in later]}"
+    settled = [rows["n2"][k] for k in later if k >= back]
+    assert all(r["outcome"] != "diverged" for r in settled), settled
+    shared = [r["round"] for r in settled if r["round"] in rows["n0"]]
     assert shared and all(rows["n2"][k]["digest"] == rows["n0"][k]["digest"] for k in shared)
 
 
