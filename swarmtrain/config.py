@@ -229,7 +229,7 @@ class AveragingConfig(_Section):
     """The leader waits at least this long for late members (longer if inner phases are long)."""
     aggregator: str = "auto"
     """How a group combines its members' updates: mean, trimmed-mean, centered-clip or median, with optional
-    parameters ('centered-clip:tau=1,iters=5,clip=2,cap=2'; clip: norm clip at that multiple of the median norm,
+    parameters ('centered-clip:tau=1,iters=5,clip=2,cap=1'; clip: norm clip at that multiple of the median norm,
     cap: token weights at that multiple of the median). auto: mean in a private swarm (node.swarm_key or
     node.allow_peers set),
     centered-clip in a public one."""
