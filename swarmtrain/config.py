@@ -264,8 +264,8 @@ class AttackConfig(_Section):
 
 class ObserveConfig(_Section):
     http_port: int | None = Field(None, ge=0, le=65535)
-    """Port of the node's HTTP endpoint (/status JSON, /metrics for Prometheus); unset means off, 0 picks a free
-    port. The node prints the URL and writes it to <run_dir>/http.txt."""
+    """Port of the node's HTTP endpoint (dashboard at /, /status JSON, /metrics for Prometheus); unset means off,
+    0 picks a free port. The node prints the URL and writes it to <run_dir>/http.txt."""
     http_host: str = "127.0.0.1"
     """Address the HTTP endpoint listens on; the default serves this machine only (0.0.0.0 serves everyone)."""
 
