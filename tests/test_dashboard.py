@@ -24,16 +24,18 @@ from tests.test_observe import _rounds, _wait, get_status
 
 
 def chromium() -> str:
-    """Debian's chromium, installed with apt-get when missing (skips, saying why, where that is impossible)."""
+    """Debian's chromium, installed with apt-get when missing (skips, saying why, where that is impossible). A fresh
+    machine may have no package lists yet: then the lists are updated and the install tried once more."""
+    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+    install = ["apt-get", "install", "-y", "-q", "chromium"]
+    for before in ([], [["apt-get", "update", "-q"]]):
+        if shutil.which("chromium"):
+            break
+        for command in [*before, install]:
+            done = subprocess.run(command, capture_output=True, text=True, timeout=900, env=env)
     found = shutil.which("chromium")
     if found is None:
-        done = subprocess.run(
-            ["apt-get", "install", "-y", "-q", "chromium"], capture_output=True, text=True, timeout=900,
-            env={**os.environ, "DEBIAN_FRONTEND": "noninteractive"},
-        )  # fmt: skip
-        found = shutil.which("chromium")
-        if found is None:
-            pytest.skip(f"chromium is missing and `apt-get install chromium` failed: {done.stderr[-500:]}")
+        pytest.skip(f"chromium is missing and `apt-get install chromium` failed: {done.stderr[-500:]}")
     return found
 
 
