@@ -30,26 +30,20 @@ FOUND += [(118665, 2)]
 # counted, one survivor missed a report the others held. A report or digest is now retried while time is left.
 FOUND += [(116690, 2)]
 
-# Open breaks the 20,000-seed sweep found (two rounds each): survivors decide differently on a shard, in three of
-# them after a single stream reset (109288: one reset of a results stream). Each is a bug report that fails today
-# (strict xfail: fixing one makes its test fail until it moves to FOUND); the sweep fails on any break not listed.
-KNOWN_BREAKS: list[int] = []
-
 
 def violations(seed: int, rounds: int) -> list[str]:
     return run_seed(seed, rounds)
 
 
-def check(seeds: list[int], rounds: int, workers: int = 1, known: frozenset[int] = frozenset()) -> None:
+def check(seeds: list[int], rounds: int, workers: int = 1) -> None:
     if workers > 1:
         with ProcessPoolExecutor(workers) as pool:
             found = dict(zip(seeds, pool.map(violations, seeds, [rounds] * len(seeds), chunksize=50), strict=True))
     else:
         found = {seed: violations(seed, rounds) for seed in seeds}
-    failures = {seed: v for seed, v in found.items() if v and seed not in known}
+    failures = {seed: v for seed, v in found.items() if v}
     lines = [f"{replay_command(seed, rounds)}\n  " + "\n  ".join(v) for seed, v in failures.items()]
     assert not failures, f"{len(failures)} of {len(seeds)} seeds broke an invariant:\n" + "\n".join(lines)
-    assert known <= {seed for seed, v in found.items() if v}, "a known break holds now: move it to FOUND"
 
 
 @pytest.mark.parametrize(("seed", "rounds"), FOUND)
@@ -61,13 +55,7 @@ def test_500_seeds_keep_every_round_invariant() -> None:
     check(list(range(1000, 1500)), rounds=1)
 
 
-@pytest.mark.parametrize("seed", KNOWN_BREAKS)
-@pytest.mark.xfail(strict=True, reason="open break of round agreement (issue 10): survivors decide differently")
-def test_known_breaks(seed: int) -> None:
-    check([seed], rounds=2)
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(7200)
-def test_20000_seeds_break_no_invariant_beyond_the_known_breaks() -> None:
-    check(list(range(100_000, 120_000)), rounds=2, workers=os.cpu_count() or 1, known=frozenset(KNOWN_BREAKS))
+def test_20000_seeds_break_no_invariant() -> None:
+    check(list(range(100_000, 120_000)), rounds=2, workers=os.cpu_count() or 1)
