@@ -134,3 +134,24 @@ def test_members_over_time_ignore_the_late_exit_of_a_process_whose_node_is_back_
         (6.0, 1),
         (7.0, 2),
     ]
+
+
+def test_a_node_back_as_a_new_process_reports_the_final_bpb_of_its_last_process(folder: Path) -> None:
+    _write(
+        folder, "nodes/node1.2", [_round(2, 12, group=3), {"kind": "final", "round": 3, "time": T0 + 19, "bpb": 5.0}]
+    )
+    run = json.loads((folder / "run.json").read_text())
+    run["nodes"].append({"node": "node1", "incarnation": 2, "run_dir": "nodes/node1.2", "started": T0 + 11,
+                         "ended": T0 + 20, "exit_code": 0})  # fmt: skip
+    (folder / "run.json").write_text(json.dumps(run))
+    with open(folder / "events.jsonl", "a") as f:
+        f.write(
+            json.dumps({"t": 11.0, "action": "start", "node": "node1", "run_dir": "nodes/node1.2", "initial": False})
+            + "\n"
+        )
+    text = write_report(folder).read_text()
+    s = json.loads((folder / "summary.json").read_text())
+    assert s["final_bpb"] == {"node0": 5.5, "node1.2": 5.0, "node2": 5.25}
+    assert "| node1 | 2 | 200 |" in text and "| -9 | - |" in text  # the killed first process has no final bpb
+    assert "| node1.2 | 1 | 100 | 1,000 | 9.0 | 2.0 | 22.2% | 0 | 5.0000 |" in text
+    assert [j["node"] for j in s["joiners"]] == ["node2", "node1.2"]

@@ -64,3 +64,15 @@ def test_a_repeating_random_kill_comes_back_a_round_later_and_never_takes_the_la
 def test_a_repeat_without_an_end_stops_at_the_last_round() -> None:
     spec = parse_spec(BASE + '[[repeat]]\naction = "pause"\nnodes = "random"\nevery_rounds = 2\n')
     assert [p.at for p in Timeline(spec).pending] == [0.0, 2.0, 4.0]
+
+
+def test_a_node_that_just_came_back_is_not_the_next_random_victim_at_the_same_moment() -> None:
+    text = '[[repeat]]\naction = "kill"\nnodes = "random"\nevery_rounds = 1\nfrom_round = 1\nback_after_rounds = 1\n'
+    for seed in range(30):
+        spec = parse_spec(BASE.replace("seed = 3", f"seed = {seed}") + text)
+        timeline, states = Timeline(spec), _states()
+        for k in range(1, 6):
+            firings = timeline.due(0.0, k, states)
+            back = {f.node for f in firings if f.action == "join"}
+            victims = {f.node for f in firings if f.action == "kill"}
+            assert len(victims) == 1 and not back & victims, (seed, k, firings)

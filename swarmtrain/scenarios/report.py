@@ -57,12 +57,17 @@ def round_outcomes(rows: list[dict[str, Any]]) -> dict[int, str]:
     return dict(sorted(worst.items()))
 
 
+def label(node: str, incarnation: int) -> str:
+    """node1 for a node's first process, node1.2 for the next (its run directory's name)."""
+    return node if incarnation == 1 else f"{node}.{incarnation}"
+
+
 def summarize(run: dict[str, Any], events: list[dict[str, Any]], rows: list[dict[str, Any]]) -> dict[str, Any]:
     rounds = [r for r in rows if r["kind"] == "round"]
     wall = run["ended"] - run["started"]
     last = {life["node"]: life["incarnation"] for life in run["nodes"]}
-    finals = {
-        r["node"]: r["bpb"] for r in rows
+    finals = {  # each node's last process: the one the scenario ends with
+        label(r["node"], r["incarnation"]): r["bpb"] for r in rows
         if r["kind"] == "final" and r["incarnation"] == last[r["node"]] and r["bpb"] is not None
     }  # fmt: skip
     outcomes = round_outcomes(rows)
@@ -72,7 +77,7 @@ def summarize(run: dict[str, Any], events: list[dict[str, Any]], rows: list[dict
         lived = (life["ended"] or run["ended"]) - life["started"]
         inner = sum(r.get("inner_s", 0.0) for r in mine)
         per_node.append({
-            "node": life["node"] if life["incarnation"] == 1 else f"{life['node']}.{life['incarnation']}",
+            "node": label(life["node"], life["incarnation"]),
             "rounds": len(mine), "tokens": sum(r["tokens"] for r in mine),
             "bytes_sent": sum(r["bytes_sent"] for r in mine),
             "exit_code": life["exit_code"], "lived_s": round(lived, 3), "inner_s": round(inner, 3),
@@ -87,7 +92,7 @@ def summarize(run: dict[str, Any], events: list[dict[str, Any]], rows: list[dict
                  and r["outcome"] == "applied" and r["group_size"] > 1 and r["token_share"] > 0), None,
             )  # fmt: skip
             joiners.append({
-                "node": e["node"], "incarnation": life["incarnation"], "joined_t": e["t"],
+                "node": label(e["node"], life["incarnation"]), "incarnation": life["incarnation"], "joined_t": e["t"],
                 "contributed_t": None if first is None else round(first["t"], 3),
                 "time_to_contribute_s": None if first is None else round(first["t"] - e["t"], 3),
                 "round": None if first is None else first["round"],

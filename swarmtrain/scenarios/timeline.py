@@ -96,10 +96,12 @@ class Timeline:
         ready = [p for p in self.pending if p.at <= (now_s if p.unit == "s" else rounds_done)]
         # At one moment: rounds before seconds, a node coming back before new events, then the order written.
         ready.sort(key=lambda p: (p.unit == "s", p.at, not p.source.startswith("back"), p.order))
-        fired = []
+        fired: list[Firing] = []
         for p in ready:
             self.pending.remove(p)
-            for node in self._targets(p, states):
+            # A random pick skips the nodes acted on at this moment: a node that just came back is not the next
+            # victim before it has even started.
+            for node in self._targets(p, states, {f.node for f in fired if f.node is not None}):
                 firing = self._apply(p, node, states)
                 fired.append(firing)
                 if firing.node is not None and p.back_after is not None:
@@ -107,10 +109,10 @@ class Timeline:
                     self._add(_Pending(p.unit, p.at + p.back_after, back, (firing.node,), f"back from {p.source}"))
         return fired
 
-    def _targets(self, p: _Pending, states: dict[str, str]) -> list[str | None]:
+    def _targets(self, p: _Pending, states: dict[str, str], busy: set[str]) -> list[str | None]:
         if p.nodes != ("random",):
             return list(p.nodes)
-        candidates = sorted(n for n, s in states.items() if s in RANDOM_FROM[p.action])
+        candidates = sorted(n for n, s in states.items() if s in RANDOM_FROM[p.action] and n not in busy)
         if p.action in ("kill", "leave", "pause") and sum(s == "running" for s in states.values()) <= 1:
             candidates = []  # never take away the last running node: the swarm would stop
         return [self.rng.choice(candidates) if candidates else None]
