@@ -9,6 +9,7 @@ codec or outer optimizer differs. ``swarmtrain doctor`` makes the same check.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 from collections import Counter
@@ -74,18 +75,21 @@ async def serve_settings(transport: Transport, settings: dict[str, Any]) -> None
 
 
 async def ask_settings(transport: Transport, peers: Iterable[str]) -> dict[str, dict[str, Any]]:
-    """The settings each of ``peers`` (at most ``MAX_ASKED``) answered; peers that did not answer are left out."""
-    answers: dict[str, dict[str, Any]] = {}
-    for peer in list(dict.fromkeys(peers))[:MAX_ASKED]:
+    """The settings each of ``peers`` (at most ``MAX_ASKED``, asked at once) answered within ``SETTINGS_TIMEOUT``;
+    peers that did not answer (a dead peer still in the view, a stock hivemind peer) are left out."""
+
+    async def ask(peer: str) -> dict[str, Any] | None:
         try:
             answer, _ = await transport.call(peer, "settings", {}, timeout=SETTINGS_TIMEOUT)
         except RpcError as exc:
             log.info("could not ask %s for its settings: %s", peer[-8:], exc)
-            continue
+            return None
         settings = answer.get("settings")
-        if isinstance(settings, dict) and all(isinstance(k, str) for k in settings):
-            answers[peer] = settings
-    return answers
+        return settings if isinstance(settings, dict) and all(isinstance(k, str) for k in settings) else None
+
+    asked = list(dict.fromkeys(peers))[:MAX_ASKED]
+    answers = await asyncio.gather(*(ask(peer) for peer in asked))
+    return {peer: settings for peer, settings in zip(asked, answers, strict=True) if settings is not None}
 
 
 def majority(answers: dict[str, dict[str, Any]]) -> dict[str, Any]:
