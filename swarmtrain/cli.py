@@ -17,7 +17,7 @@ from rich.console import Console
 from swarmtrain.config import Config, known_keys, load_config
 from swarmtrain.errors import SwarmtrainError
 from swarmtrain.localtrain.cli import localtrain_group
-from swarmtrain.logs import LOG_FORMATS, LogFormat, use_log_format
+from swarmtrain.logs import LOG_FORMATS, LogFormat, current_log_format, use_log_format
 from swarmtrain.scenarios.cli import scenario_group
 from swarmtrain.signals import stop_on_signals
 
@@ -265,7 +265,10 @@ def main(argv: list[str] | None = None) -> None:
         with stop_on_signals():  # Ctrl+C, SIGTERM and SIGHUP stop every command gracefully, however it was started
             cli.main(args=argv, prog_name="swarmtrain", standalone_mode=False)
     except SwarmtrainError as exc:
-        Console(stderr=True, highlight=False, soft_wrap=True).print(str(exc), style="red", markup=False)
+        if current_log_format() == "json":
+            logging.getLogger("swarmtrain").error(str(exc))
+        else:
+            Console(stderr=True, highlight=False, soft_wrap=True).print(str(exc), style="red", markup=False)
         sys.exit(2)
     except click.exceptions.Abort:
         sys.exit(130)

@@ -4,8 +4,8 @@
 
 A JSON line holds ``time`` (Unix seconds, as in ``metrics.jsonl``), ``level``, ``logger`` and ``message`` (and
 ``exception``, the traceback, when there is one). hivemind's own loggers (also the p2p daemon's lines it relays)
-write through the same handler, so every line on stderr is JSON; the few lines a node prints for people on
-stdout (the join line, the final bpb) stay as they are.
+write through the same handler, and so does the error a failing command ends with (exit 2), so every line on
+stderr is JSON; the few lines a node prints for people on stdout (the join line, the final bpb) stay as they are.
 """
 
 from __future__ import annotations
@@ -16,6 +16,11 @@ from typing import Literal
 
 LogFormat = Literal["plain", "json"]
 LOG_FORMATS: tuple[LogFormat, ...] = ("plain", "json")
+_current: list[LogFormat] = ["plain"]  # what ``use_log_format`` set in this process
+
+
+def current_log_format() -> LogFormat:
+    return _current[0]
 
 
 class JsonFormatter(logging.Formatter):
@@ -35,11 +40,12 @@ class _JsonHandler(logging.StreamHandler):  # type: ignore[type-arg]
     """The handler ``use_log_format("json")`` installs (a type of its own, so it is installed once)."""
 
 
-def use_log_format(log_format: LogFormat) -> None:
-    """Switch the process's log lines to ``log_format``; "plain" keeps what the CLI set up (``logging.basicConfig``
+def use_log_format(kind: LogFormat) -> None:
+    """Switch the process's log lines to ``kind``; "plain" keeps what the CLI set up (``logging.basicConfig``
     in its group). "json" replaces the root logger's plain stderr handler with a JSON one and routes hivemind's
     loggers through it."""
-    if log_format == "plain":
+    _current[0] = kind
+    if kind == "plain":
         return
     from hivemind.utils.logging import use_hivemind_log_handler
 

@@ -14,7 +14,9 @@ import pytest
 from click.testing import CliRunner
 from hivemind.utils.logging import get_logger, use_hivemind_log_handler
 
-from swarmtrain.cli import cli
+from swarmtrain.cli import cli, main
+from swarmtrain.logs import use_log_format
+from swarmtrain.node.node import NodeError
 
 WARNING = logging.getLevelName(logging.WARNING)  # hivemind names it "WARN" in every process that imports it
 
@@ -41,6 +43,7 @@ def fresh_root_logger() -> Iterator[None]:
         root.handlers[:] = handlers
         root.setLevel(level)
         use_hivemind_log_handler("in_hivemind")
+        use_log_format("plain")
 
 
 def _invoke(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, *flags: str) -> str:
@@ -72,6 +75,21 @@ def test_plain_lines_stay_the_default(tmp_path: Path, monkeypatch: pytest.Monkey
     for line in stderr.splitlines():
         with pytest.raises(json.JSONDecodeError):
             json.loads(line)
+
+
+def test_the_error_a_node_stops_with_is_a_json_line_too(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    def refused(config: object, resume: bool = False) -> None:
+        raise NodeError("node error: none of the peers in node.join answered")
+
+    monkeypatch.setattr("swarmtrain.node.commands.run_node", refused)
+    with fresh_root_logger(), pytest.raises(SystemExit) as stopped:
+        main(["node", "--run-dir", str(tmp_path / "run"), "--log-format", "json"])
+    assert stopped.value.code == 2
+    [line] = capsys.readouterr().err.splitlines()
+    record = json.loads(line)
+    assert (record["level"], record["message"]) == ("ERROR", "node error: none of the peers in node.join answered")
 
 
 def test_an_unknown_log_format_is_refused_with_the_choices(tmp_path: Path) -> None:
