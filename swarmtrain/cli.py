@@ -17,6 +17,7 @@ from rich.console import Console
 from swarmtrain.config import Config, known_keys, load_config
 from swarmtrain.errors import SwarmtrainError
 from swarmtrain.localtrain.cli import localtrain_group
+from swarmtrain.logs import LOG_FORMATS, LogFormat, current_log_format, use_log_format
 from swarmtrain.scenarios.cli import scenario_group
 from swarmtrain.signals import stop_on_signals
 
@@ -103,6 +104,12 @@ def swarm_options(func: Callable[..., Any]) -> Callable[..., Any]:
     return func
 
 
+log_format_option = click.option(
+    "--log-format", type=click.Choice(LOG_FORMATS), default="plain", show_default=True,
+    help="Log lines on stderr: plain text, or one JSON object per line (time, level, logger, message).",
+)  # fmt: skip
+
+
 def _addrs(join: tuple[str, ...], host: tuple[str, ...], announce: tuple[str, ...]) -> dict[str, Any]:
     return {"node.join": list(join) or None, "node.host": list(host) or None, "node.announce": list(announce) or None}
 
@@ -113,10 +120,11 @@ def _addrs(join: tuple[str, ...], host: tuple[str, ...], announce: tuple[str, ..
 @click.option("--rounds", type=int, help="Stop after this many outer rounds (node.rounds).")
 @click.option("--max-time", type=float, help="Stop after this many seconds (train.max_time).")
 @click.option("--resume", is_flag=True, help="Continue this node from the latest checkpoint in the run directory.")
+@log_format_option
 def node(
     config_path: str | None, overrides: tuple[str, ...], data: str | None, run_dir: str | None,
     join: tuple[str, ...], host: tuple[str, ...], announce: tuple[str, ...], rounds: int | None,
-    max_time: float | None, resume: bool,
+    max_time: float | None, resume: bool, log_format: LogFormat,
 ) -> None:  # fmt: skip
     """Run one swarm node: train H inner steps, average with peers, repeat.
 
@@ -127,6 +135,7 @@ def node(
     """
     from swarmtrain.node.commands import run_node
 
+    use_log_format(log_format)
     flags = {"data.path": data, "run_dir": run_dir, "node.rounds": rounds, "train.max_time": max_time}
     run_node(resolve(config_path, overrides, **flags, **_addrs(join, host, announce)), resume=resume)
 
@@ -134,13 +143,15 @@ def node(
 @cli.command()
 @common_options
 @swarm_options
+@log_format_option
 def bootstrap(
     config_path: str | None, overrides: tuple[str, ...], data: str | None, run_dir: str | None,
-    join: tuple[str, ...], host: tuple[str, ...], announce: tuple[str, ...],
+    join: tuple[str, ...], host: tuple[str, ...], announce: tuple[str, ...], log_format: LogFormat,
 ) -> None:  # fmt: skip
     """Run a DHT-only peer (no training): a stable entry point for a public or private swarm."""
     from swarmtrain.node.commands import run_bootstrap
 
+    use_log_format(log_format)
     run_bootstrap(resolve(config_path, overrides, **{"run_dir": run_dir}, **_addrs(join, host, announce)))
 
 
@@ -254,7 +265,10 @@ def main(argv: list[str] | None = None) -> None:
         with stop_on_signals():  # Ctrl+C, SIGTERM and SIGHUP stop every command gracefully, however it was started
             cli.main(args=argv, prog_name="swarmtrain", standalone_mode=False)
     except SwarmtrainError as exc:
-        Console(stderr=True, highlight=False, soft_wrap=True).print(str(exc), style="red", markup=False)
+        if current_log_format() == "json":
+            logging.getLogger("swarmtrain").error(str(exc))
+        else:
+            Console(stderr=True, highlight=False, soft_wrap=True).print(str(exc), style="red", markup=False)
         sys.exit(2)
     except click.exceptions.Abort:
         sys.exit(130)

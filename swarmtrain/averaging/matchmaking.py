@@ -47,8 +47,10 @@ def check_weight(weight: Any) -> float:
 
 
 def _miss_kind(exc: Exception) -> str:
-    """Why a join failed, in one word: "late" (the group had formed or the round was over), "unreachable" or
-    "refused"; the node names its state after it."""
+    """Why a join failed, in one word: "late" (the group had formed or the round was over), "banned" (the leader
+    bans me), "unreachable" or "refused"; the node names its state after it."""
+    if isinstance(exc, RemoteError) and exc.code == "banned":
+        return "banned"
     if isinstance(exc, RemoteError) and (exc.code == "over" or "already formed" in str(exc)):
         return "late"
     if isinstance(exc, PeerUnreachable | RpcTimeout):

@@ -14,7 +14,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Any, Optional
+from collections.abc import Mapping
+from typing import Annotated, Any, Optional
 
 import pydantic.v1 as pv1
 from hivemind.dht.crypto import RSASignatureValidator
@@ -30,6 +31,27 @@ from swarmtrain.net.auth import PUBLIC, SwarmAuth
 log = logging.getLogger(__name__)
 
 MAX_INNER_S = 24 * 3600.0  # a claimed inner phase longer than a day is a lie (it would stretch every gather)
+MAX_RECORD_BANS = 16  # bans a record shows (those that end last): a hostile record cannot be huge
+BAN_PEER_CHARS = 12  # a banned peer is named by the end of its id, as `swarmtrain status` shows peers
+BAN_REASON_CHARS = 120
+
+
+class BanEntry(BaseModel):
+    """One peer a node bans: until which round (the first it is welcome again) and why."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    until: int = Field(ge=0)
+    reason: str = Field(max_length=BAN_REASON_CHARS)
+
+
+def ban_table(bans: Mapping[str, Any]) -> dict[str, BanEntry]:
+    """What a record shows of a node's bans (peer id -> anything with ``until`` and ``reason``): the
+    ``MAX_RECORD_BANS`` that end last, each peer by the end of its id, each reason cut to its bound."""
+    shown = sorted(bans.items(), key=lambda item: item[1].until)[-MAX_RECORD_BANS:]
+    return {
+        peer[-BAN_PEER_CHARS:]: BanEntry(until=ban.until, reason=ban.reason[:BAN_REASON_CHARS]) for peer, ban in shown
+    }
 
 
 class PeerRecord(BaseModel):
@@ -50,6 +72,15 @@ class PeerRecord(BaseModel):
     device: str = Field("", max_length=32)  # where its inner steps run (cpu, cuda:0, mps); "" for a bootstrap peer
     state: str = Field("", max_length=16)  # why it is or is not contributing (swarmtrain.node.state.NodeState)
     reason: str = Field("", max_length=240)  # the state's reason, e.g. whom it catches up from and how far
+    # the peers it bans now (the end of each id -> until which round, why): ``ban_table``
+    bans: dict[Annotated[str, Field(max_length=BAN_PEER_CHARS)], BanEntry] = Field(
+        default_factory=dict, max_length=MAX_RECORD_BANS
+    )
+
+
+class _BanV1(pv1.BaseModel):
+    until: pv1.StrictInt
+    reason: pv1.StrictStr
 
 
 class _RecordV1(pv1.BaseModel):
@@ -66,6 +97,7 @@ class _RecordV1(pv1.BaseModel):
     device: pv1.StrictStr
     state: pv1.StrictStr = ""
     reason: pv1.StrictStr = ""
+    bans: dict[pv1.StrictStr, _BanV1] = {}
     mac: pv1.StrictStr  # the private swarm's MAC over subkey and record ("" in a public swarm)
 
 

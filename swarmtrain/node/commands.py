@@ -19,6 +19,7 @@ import uvloop
 from hivemind.utils.crypto import RSAPrivateKey
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 from swarmtrain.config import Config
 from swarmtrain.dht import PeerRecord, load_identity_key, read_record
@@ -119,13 +120,20 @@ def show_status(config: Config, as_json: bool) -> None:
     if as_json:
         print(json.dumps([r.model_dump() for r in records], indent=2))
         return
-    table = Table(title=f"swarm {config.node.run_id!r}: {len(records)} peers")
-    for column in ("peer", "round", "state", "reason", "device", "tokens/s", "batch", "digest", "address"):
+    Console().print(status_table(config.node.run_id, records))
+
+
+def status_table(run_id: str, records: list[PeerRecord]) -> Table:
+    """The swarm as `swarmtrain status` prints it: one row per peer, with the peers it bans (until which round,
+    and why)."""
+    table = Table(title=f"swarm {run_id!r}: {len(records)} peers")
+    for column in ("peer", "round", "state", "reason", "bans", "device", "tokens/s", "batch", "digest", "address"):
         table.add_column(column, overflow="fold")
     for r in records:
+        bans = "\n".join(f"{peer} until round {ban.until}: {ban.reason}" for peer, ban in r.bans.items())
         row: list[Any] = [
-            r.peer_id[-12:], r.round, r.state or r.phase, r.reason or "-", r.device or "-", f"{r.tokens_per_s:,.0f}",
-            r.batch_size, r.digest[:8],
+            r.peer_id[-12:], r.round, r.state or r.phase, r.reason or "-", bans or "-", r.device or "-",
+            f"{r.tokens_per_s:,.0f}", r.batch_size, r.digest[:8], r.addrs[0] if r.addrs else "",
         ]  # fmt: skip
-        table.add_row(*map(str, row), r.addrs[0] if r.addrs else "")
-    Console().print(table)
+        table.add_row(*(Text(str(cell)) for cell in row))  # Text: a peer's words are never read as markup
+    return table

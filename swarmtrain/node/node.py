@@ -31,7 +31,7 @@ from swarmtrain.averaging.robust import parse_aggregator
 from swarmtrain.compression import get_codec
 from swarmtrain.config import Config, write_resolved
 from swarmtrain.data import load_corpus
-from swarmtrain.dht import Membership, PeerRecord, load_identity_key, record_validators
+from swarmtrain.dht import Membership, PeerRecord, ban_table, load_identity_key, record_validators
 from swarmtrain.errors import CheckpointError, SwarmtrainError
 from swarmtrain.net import P2PTransport, load_auth, serve_hello, verify_swarm
 from swarmtrain.node.inner import InnerLoop, build_inner_loop
@@ -410,6 +410,9 @@ class Node:
                 averager.needs_catch_up = True
                 continue
             self._load_theta(trainer, averager)
+            bans = ban_table(averager.matchmaker.bans.active(averager.round))  # for `swarmtrain status`
+            membership.update(bans=bans)
+            self.status.set_bans({peer: ban.model_dump() for peer, ban in bans.items()})
             misses = [Miss(*m) for m in averager.matchmaker.misses]
             state, reason = round_state(outcome.outcome, outcome.group.size, observing, misses)
             if not self.leaving:
@@ -524,6 +527,8 @@ class Node:
             "state": str(self.status.state),
             "state_reason": self.status.reason,
         }
+        if self.status.bans:
+            record["bans"] = dict(self.status.bans)
         if bpb is not None:
             record["bpb"] = bpb
         if outcome.spread is not None:
@@ -562,6 +567,6 @@ def _peer_table(membership: Membership) -> dict[str, dict[str, Any]]:
     """Each peer in the view as /status shows it (read from the HTTP thread: the view is replaced, never mutated)."""
     return {
         p: {"round": r.round, "state": r.state, "reason": r.reason, "phase": r.phase, "tokens_per_s": r.tokens_per_s,
-            "device": r.device, "addrs": r.addrs[:1]}
+            "device": r.device, "addrs": r.addrs[:1], "bans": {b: ban.model_dump() for b, ban in r.bans.items()}}
         for p, r in membership.view.items()
     }  # fmt: skip

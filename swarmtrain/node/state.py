@@ -32,6 +32,8 @@ class NodeState(StrEnum):
     """Came to the gather after its group had formed; its update joins a later round."""
     LEFT_OUT = "left_out"
     """Peers are live but no group took it in; it catches up before the next round."""
+    BANNED = "banned"
+    """A leader refused it for an invalid payload it sent (reason: who, until which round, why)."""
     UNREACHABLE = "unreachable"
     """None of the peers it should average with could be reached."""
     CONFIG_MISMATCH = "config_mismatch"
@@ -50,7 +52,7 @@ class Miss:
     """A leader the matchmaker could not join in a round: who, and how it failed."""
 
     peer: str
-    kind: str  # "late" (the group had formed or the round was over), "unreachable", or "refused"
+    kind: str  # "late" (the group had formed or the round was over), "banned", "unreachable", or "refused"
     message: str
 
 
@@ -60,6 +62,9 @@ def round_state(outcome: str, group_size: int, observing: bool, misses: list[Mis
         if observing:
             return NodeState.OBSERVING, f"sat in with weight 0 in a group of {group_size} after catching up"
         return NodeState.AVERAGING, f"{outcome} in a group of {group_size}"
+    banned = [m for m in misses if m.kind == "banned"]
+    if banned:  # its own update applied alone or not: the swarm has turned it away
+        return NodeState.BANNED, banned[0].message  # who refused it, until which round, why
     if outcome != "diverged":
         return NodeState.TRAINING, "alone in the swarm: applied its own update"
     late = [m for m in misses if m.kind == "late"]
@@ -81,6 +86,7 @@ class NodeStatus:
         self.state, self.reason, self.since = NodeState.STARTING, "starting the daemon", time.time()
         self.round = 0
         self.group: list[str] = []
+        self.bans: dict[str, dict[str, Any]] = {}  # peers this node bans now: the end of each id -> until, reason
         self.peers_source: Callable[[], dict[str, dict[str, Any]]] = dict  # the swarm as this node sees it
         self.rounds: deque[dict[str, Any]] = deque(maxlen=history)
         self.events: deque[dict[str, Any]] = deque(maxlen=events)
@@ -94,6 +100,15 @@ class NodeStatus:
             self.events.append({"time": self.since, "round": self.round, "state": str(state), "reason": reason})
         for listener in self.listeners:
             listener(state, reason)
+
+    def set_bans(self, bans: dict[str, dict[str, Any]]) -> None:
+        """The peers this node bans now (its record's ``bans``); a new ban is also an event."""
+        with self._lock:
+            for peer, ban in bans.items():
+                if self.bans.get(peer) != ban:
+                    reason = f"banned {peer} until round {ban['until']}: {ban['reason']}"
+                    self.events.append({"time": time.time(), "round": self.round, "state": "ban", "reason": reason})
+            self.bans = dict(bans)
 
     def add_round(self, line: dict[str, Any]) -> None:
         with self._lock:
@@ -114,6 +129,7 @@ class NodeStatus:
                 "since": self.since,
                 "contributing": self.state in CONTRIBUTING,
                 "group": list(self.group),
+                "bans": dict(self.bans),
                 "peers": peers,
                 "last_outcomes": [{"round": r["round"], "outcome": r["outcome"]} for r in rounds[-10:]],
                 "bytes_sent": sum(r.get("bytes_sent", 0) for r in rounds),
