@@ -351,3 +351,22 @@ async def test_a_leader_catching_up_in_step_with_its_members_leads_them_once_it_
     seen = [(o.outcome, o.group.members) for o in outcomes]
     assert seen == [("applied", ("peer0", "peer1"))] * 2, f"the two live members averaged apart: {seen}"
     assert leader.outer.digest() == member.outer.digest()
+
+
+@pytest.mark.parametrize("head_start", [0.0, 0.3])
+async def test_two_members_that_take_each_other_for_leader_agree_on_one(head_start: float) -> None:
+    """A member that just caught up sits in on the round and asks the others first (itself last); a member with a
+    higher peer id asks it first, as everyone asks the lowest. Each asks the other while the other asks it: the
+    lower one must lead. Each telling the other to lead, both led a group of one and diverged."""
+    net, (low, high) = make_swarm(2, min_deadline=0.5)
+    for a in (low, high):
+        await a.start()
+    peers = [low.me, high.me]
+    observing = asyncio.ensure_future(
+        low.run_round(torch.zeros(NUMEL), 0.0, [high.me, low.me], set(peers), gather_timeout=0.5)
+    )
+    await asyncio.sleep(head_start)  # 0.3: its join already waits in the higher one's lobby
+    training = high.run_round(torch.ones(NUMEL), 1.0, [low.me, high.me], set(peers), gather_timeout=0.5)
+    outcomes = await asyncio.gather(observing, training)
+    seen = [(o.outcome, o.group.members) for o in outcomes]
+    assert seen == [("applied", ("peer0", "peer1"))] * 2, f"the two members averaged apart: {seen}"

@@ -124,7 +124,7 @@ class Matchmaker:
                 return self._answer(lobby.result.result())
             raise Rejected(f"the group of round {round_} is already formed")
         if lobby.redirect is not None:
-            return {"redirect": lobby.redirect}
+            return self._redirect(lobby, sender)
         lobby.joined[sender] = weight
         lobby.digests[sender] = digest
         lobby.caps[sender] = max(float(cap), self.min_budget_s)
@@ -145,10 +145,19 @@ class Matchmaker:
             return self._answer(group)
         lobby.joined.pop(sender, None)
         if lobby.redirect is not None:
-            return {"redirect": lobby.redirect}
+            return self._redirect(lobby, sender)
         if self.catching_up:
             return self._while_catching_up(round_, digest, position)
         raise Rejected(f"the leader of round {round_} was not ready in time")
+
+    def _redirect(self, lobby: Lobby, sender: str) -> dict[str, Any]:
+        """Send a joiner on to the leader I follow. When that leader is the joiner itself (it asks me while I ask
+        it: each took the other for its leader, as a member that just caught up tries the others first), the
+        lower peer id leads: told "ask me again" by the lower one and "lead" by the higher one, both agree. Each
+        telling the other to lead, both led a group of one and diverged."""
+        if lobby.redirect == sender and self.me < sender:
+            return {"redirect": self.me}
+        return {"redirect": lobby.redirect}
 
     def _while_catching_up(self, round_: int, digest: str, position: Callable[[], tuple[int, str]]) -> dict[str, Any]:
         """A join that reached me while I catch up. A joiner at my round holding my theta_g is in step with me: I
