@@ -285,6 +285,7 @@ async def test_members_do_not_wait_on_a_leader_that_is_catching_up() -> None:
         await a.start()
         a.matchmaker.join_timeout = 30.0
     behind, others = averagers[0], averagers[1:]
+    behind.outer.theta.add_(1.0)  # an older state than theirs (one in step is told to ask again: next test)
     peers = [a.me for a in averagers]
     loop = asyncio.get_running_loop()
     started = loop.time()
@@ -316,3 +317,56 @@ async def test_every_member_runs_the_same_budget_when_the_leader_measured_slower
     budgets = {a.me: a.budget_s(o.group) for a, o in zip(averagers, outcomes, strict=True)}
     assert set(budgets.values()) == {4 * 2.0}, f"one budget for the whole group (the least cap), got {budgets}"
     assert {o.outcome for o in outcomes} == {"applied"}
+
+
+async def test_a_leader_catching_up_in_step_with_its_members_leads_them_once_it_is_done() -> None:
+    """A peer froze (SIGSTOP) for a round: the leader waited for it, formed no group and, like the frozen peer
+    after it resumed, kept theta_g and looked for peers ahead. Both are at the same round with the same state.
+    The member asks the leader while the leader is still looking: it must be told to ask again, not sent on.
+    Sent on, it led a group of its own while the leader, done looking, led another: two groups of one, and both
+    live members diverged, round after round (scenario kill-pause-join, rounds 6 and 7)."""
+    net, averagers = make_swarm(2, min_deadline=0.5)
+    for a in averagers:
+        await a.start()
+    leader, member = averagers
+    peers = [a.me for a in averagers]
+    asked = asyncio.Event()
+    on_join = leader.matchmaker.on_join
+
+    async def recording(*args, **kwargs):
+        try:
+            return await on_join(*args, **kwargs)
+        finally:
+            asked.set()
+
+    leader.matchmaker.on_join = recording
+    leader.matchmaker.catching_up = True  # its last round ended alone: it looks for peers ahead
+    member_round = asyncio.ensure_future(
+        member.run_round(torch.ones(NUMEL), 1.0, peers, set(peers), gather_timeout=0.5)
+    )
+    await asyncio.wait_for(asked.wait(), 10.0)  # the member asked the leader while it was catching up
+    leader.matchmaker.catching_up = False  # it found the member in step (same round, same digest)
+    leader_round = leader.run_round(torch.ones(NUMEL), 1.0, peers, set(peers), gather_timeout=0.5)
+    outcomes = await asyncio.gather(leader_round, member_round)
+    seen = [(o.outcome, o.group.members) for o in outcomes]
+    assert seen == [("applied", ("peer0", "peer1"))] * 2, f"the two live members averaged apart: {seen}"
+    assert leader.outer.digest() == member.outer.digest()
+
+
+@pytest.mark.parametrize("head_start", [0.0, 0.3])
+async def test_two_members_that_take_each_other_for_leader_agree_on_one(head_start: float) -> None:
+    """A member that just caught up sits in on the round and asks the others first (itself last); a member with a
+    higher peer id asks it first, as everyone asks the lowest. Each asks the other while the other asks it: the
+    lower one must lead. Each telling the other to lead, both led a group of one and diverged."""
+    net, (low, high) = make_swarm(2, min_deadline=0.5)
+    for a in (low, high):
+        await a.start()
+    peers = [low.me, high.me]
+    observing = asyncio.ensure_future(
+        low.run_round(torch.zeros(NUMEL), 0.0, [high.me, low.me], set(peers), gather_timeout=0.5)
+    )
+    await asyncio.sleep(head_start)  # 0.3: its join already waits in the higher one's lobby
+    training = high.run_round(torch.ones(NUMEL), 1.0, [low.me, high.me], set(peers), gather_timeout=0.5)
+    outcomes = await asyncio.gather(observing, training)
+    seen = [(o.outcome, o.group.members) for o in outcomes]
+    assert seen == [("applied", ("peer0", "peer1"))] * 2, f"the two members averaged apart: {seen}"

@@ -217,7 +217,7 @@ class Averager:
                 "the same model settings (model.*, including model.exits)",
                 code="incompatible",
             )
-        return await self.matchmaker.on_join(sender, header, self.round), b""
+        return await self.matchmaker.on_join(sender, header, lambda: (self.round, self.outer.digest())), b""
 
     async def _on_ping(self, sender: str, header: dict[str, Any], body: bytes) -> tuple[dict[str, Any], bytes]:
         self.check_header(header)

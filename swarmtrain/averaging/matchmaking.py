@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -73,7 +74,8 @@ class Matchmaker:
         self.bans = Bans(self.me, 0)  # set by the averager (``averaging.ban_rounds``)
         self.misses: list[tuple[str, str, str]] = []  # this round's leaders I could not join: (peer, kind, why)
         # Set while this node catches up with the swarm: it will not lead a round it is behind on, so joiners are
-        # sent on to the next candidate at once instead of waiting on it until their join timeout.
+        # sent on to the next candidate at once instead of waiting on it until their join timeout. A joiner that
+        # holds my round and state is told to ask again instead (see ``_while_catching_up``).
         self._catching_up = asyncio.Event()
 
     @property
@@ -95,14 +97,17 @@ class Matchmaker:
                 del self.lobbies[old]
         return self.lobbies[round_]
 
-    async def on_join(self, sender: str, header: dict[str, Any], current_round: int) -> dict[str, Any]:
+    async def on_join(
+        self, sender: str, header: dict[str, Any], position: Callable[[], tuple[int, str]]
+    ) -> dict[str, Any]:
+        """Answer a join: the group once it formed, a redirect, or a refusal. ``position`` gives this node's round
+        and theta_g digest now (both may change while the join waits)."""
         round_ = header.get("round")
+        current_round = position()[0]
         if not isinstance(round_, int) or round_ < current_round:
             raise Rejected(f"round {round_!r} is over (this peer is at round {current_round})", code="over")
         if round_ > current_round + 1:
             raise Rejected(f"round {round_} is too far ahead of this peer's round {current_round}")
-        if self.catching_up:
-            raise self._behind(current_round)
         banned = self.bans.reason(sender, round_)
         if banned is not None:
             raise Rejected(f"you are {banned}", code="banned")
@@ -113,13 +118,15 @@ class Matchmaker:
         cap = header.get("cap_s", MAX_DEADLINE_S)
         if isinstance(cap, bool) or not isinstance(cap, int | float) or not 0.0 < cap <= MAX_DEADLINE_S:
             raise Rejected(f"budget cap {cap!r} is not in (0, {MAX_DEADLINE_S:g}] seconds")
+        if self.catching_up:
+            return self._while_catching_up(round_, digest, position)
         lobby = self._lobby(round_)
         if lobby.result.done():
             if sender in lobby.result.result().members:  # asking again: the answer to its first join was lost
                 return self._answer(lobby.result.result())
             raise Rejected(f"the group of round {round_} is already formed")
         if lobby.redirect is not None:
-            return {"redirect": lobby.redirect}
+            return self._redirect(lobby, sender)
         lobby.joined[sender] = weight
         lobby.digests[sender] = digest
         lobby.caps[sender] = max(float(cap), self.min_budget_s)
@@ -140,14 +147,30 @@ class Matchmaker:
             return self._answer(group)
         lobby.joined.pop(sender, None)
         if lobby.redirect is not None:
-            return {"redirect": lobby.redirect}
+            return self._redirect(lobby, sender)
         if self.catching_up:
-            raise self._behind(current_round)
+            return self._while_catching_up(round_, digest, position)
         raise Rejected(f"the leader of round {round_} was not ready in time")
 
-    @staticmethod
-    def _behind(current_round: int) -> Rejected:
-        return Rejected(f"this peer is catching up with the swarm (from round {current_round})", code="behind")
+    def _redirect(self, lobby: Lobby, sender: str) -> dict[str, Any]:
+        """Send a joiner on to the leader I follow. When that leader is the joiner itself (it asks me while I ask
+        it: each took the other for its leader, as a member that just caught up tries the others first), the
+        lower peer id leads: told "ask me again" by the lower one and "lead" by the higher one, both agree. Each
+        telling the other to lead, both led a group of one and diverged."""
+        if lobby.redirect == sender and self.me < sender:
+            return {"redirect": self.me}
+        return {"redirect": lobby.redirect}
+
+    def _while_catching_up(self, round_: int, digest: str, position: Callable[[], tuple[int, str]]) -> dict[str, Any]:
+        """A join that reached me while I catch up. A joiner at my round holding my theta_g is in step with me: I
+        am not behind it, and my catch-up ends as soon as I see it (a member and I both kept theta_g through a
+        round neither could average, as when a peer froze). It is told to ask me again (a redirect to myself):
+        sent on, it would lead a group of its own while I, its first candidate, lead another, and both of us
+        would diverge. Any other joiner is refused with code ``behind`` and goes on to its next candidate."""
+        current_round, current_digest = position()
+        if (round_, digest) == (current_round, current_digest):
+            return {"redirect": self.me}
+        raise Rejected(f"this peer is catching up with the swarm (from round {current_round})", code="behind")
 
     @staticmethod
     def _answer(group: Group) -> dict[str, Any]:
@@ -182,7 +205,8 @@ class Matchmaker:
         queue, tried, broken = list(candidates), set(), set()
         self.misses = []
         # A peer that redirects to a leader I found dead is failing over itself: it pings that leader a few times
-        # (seconds under load) before it leads; ask it again until then rather than lead a group of my own.
+        # (seconds under load) before it leads; ask it again until then rather than lead a group of my own. The
+        # same for a leader catching up that holds my state: it redirects me to itself until it is done.
         retry_until = asyncio.get_running_loop().time() + gather_timeout + self.join_timeout
         while queue:
             candidate = queue.pop(0)
