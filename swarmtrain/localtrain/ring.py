@@ -31,6 +31,7 @@ HEADER_BYTES = 256
 SLOT_HEADER_BYTES = 64
 MAX_DIMS = 3
 CHECK_INTERVAL = 0.005
+PEER_EXIT_GRACE_S = 2.0  # how long a dead peer's process may take to become reapable (see ``_check_peer``)
 MIN_PAUSE, MAX_PAUSE = 20e-6, 500e-6
 
 # header words (int64)
@@ -169,6 +170,13 @@ class Ring:
             raise ChannelClosed(f"the {who} closed ring {self.spec.name}")
         pid = int(self._header[peer_pid_word])
         if pid and not pid_alive(pid):
+            # A SIGKILLed process shows as a zombie once its main thread is gone, but its parent can reap it (and
+            # the hook, which names the failed stage, see it dead) only after its other threads exit too. Give the
+            # hook that moment rather than surface a bare PeerLost (which a loaded machine did).
+            until = time.monotonic() + PEER_EXIT_GRACE_S
+            while self._hook is not None and time.monotonic() < until:
+                time.sleep(0.01)
+                self._hook()
             raise PeerLost(f"the {who} of ring {self.spec.name} (pid {pid}) died")
 
     # -- producer ----------------------------------------------------------------------------------------------
