@@ -12,6 +12,7 @@ import pytest
 from .swarm import Swarm
 
 
+@pytest.mark.slow  # 20-40 s; token weighting of unlike nodes is also checked by tests/test_node_inner_time.py
 def test_nodes_with_different_batch_sizes_h_and_precision_agree_and_weigh_by_tokens(swarm: Swarm) -> None:
     nodes = {  # batch size, H (inner steps), precision
         "n0": (4, 3, "fp32"),

@@ -96,8 +96,14 @@ def run_until_interrupted(config_dump: dict, prefix: str, ignore_sigint: bool = 
 
 @pytest.mark.parametrize(
     ("sig", "ignore_sigint"),
-    [(signal.SIGINT, False), (signal.SIGINT, True), (signal.SIGTERM, True), (signal.SIGHUP, False)],
-    ids=["ctrl-c", "ctrl-c-started-ignoring-it", "sigterm", "sighup"],
+    [
+        pytest.param(signal.SIGINT, False, id="ctrl-c"),
+        pytest.param(signal.SIGINT, True, id="ctrl-c-started-ignoring-it"),
+        # The same handler serves SIGTERM and SIGHUP (tests/test_signals.py checks it for every command); the
+        # slow suite checks here that they release every stage and segment too.
+        pytest.param(signal.SIGTERM, True, id="sigterm", marks=pytest.mark.slow),
+        pytest.param(signal.SIGHUP, False, id="sighup", marks=pytest.mark.slow),
+    ],
 )
 def test_ctrl_c_stops_every_process_and_unlinks_every_segment(
     tmp_path: Path, text_file: Path, prefix: str, sig: signal.Signals, ignore_sigint: bool
