@@ -39,10 +39,7 @@ def curve(run: dict[str, Any], rows: list[dict[str, Any]]) -> list[tuple[float, 
 
 
 def compare(folders: list[Path], out: Path) -> Path:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from swarmtrain.scenarios.plots import plt, save_loss_axes  # matplotlib (Agg) only when plotting
 
     out.mkdir(parents=True, exist_ok=True)
     lines = [
@@ -71,14 +68,7 @@ def compare(folders: list[Path], out: Path) -> Path:
         for ax, x in zip(axes, (0, 1, 2), strict=True):
             scale = 1e6 if x == 2 else 1
             ax.plot([p[x] / scale for p in points], [p[3] for p in points], marker=".", label=folder.name)
-    axes[0].set_ylabel("held-out bits per byte (mean over nodes)")
-    for ax, xlabel in zip(axes, ("wall time (s)", "tokens trained, all nodes", "MB sent, all nodes"), strict=True):
-        ax.set_xlabel(xlabel)
-        ax.grid(alpha=0.3)
-    axes[0].legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(out / "compare.png", dpi=100)
-    plt.close(fig)
+    save_loss_axes(fig, axes, "held-out bits per byte (mean over nodes)", out / "compare.png")
     note = "(median outer step: the outer step's duration in rounds with a group of two or more)"
     text = "\n".join([*lines, "", note, "", "![compare](compare.png)", ""])
     (out / "compare.md").write_text(text, encoding="utf-8")

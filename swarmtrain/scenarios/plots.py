@@ -40,7 +40,12 @@ def plot_loss(rows: list[dict[str, Any]], path: Path) -> None:
         axes[0].plot([rounds[i]["t"] for i in mine], bpb, marker=".", label=name)
         axes[1].plot([tokens[i] for i in mine], bpb, marker=".", label=name)
         axes[2].plot([sent[i] / 1e6 for i in mine], bpb, marker=".", label=name)
-    axes[0].set_ylabel("held-out bits per byte")
+    save_loss_axes(fig, axes, "held-out bits per byte", path)
+
+
+def save_loss_axes(fig: Any, axes: Any, ylabel: str, path: Path) -> None:
+    """Label the three loss panels (against wall time, tokens and bytes sent) and write the figure to ``path``."""
+    axes[0].set_ylabel(ylabel)
     for ax, xlabel in zip(axes, ("wall time (s)", "tokens trained, all nodes", "MB sent, all nodes"), strict=True):
         ax.set_xlabel(xlabel)
         ax.grid(alpha=0.3)
