@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import logging
 import subprocess
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -11,7 +13,8 @@ import pytest
 from swarmtrain.cli import main
 from swarmtrain.config import load_config
 from swarmtrain.net import MemoryNetwork
-from swarmtrain.node.settings import ConfigMismatch, check_settings, serve_settings, swarm_settings
+from swarmtrain.node.doctor import check_clock
+from swarmtrain.node.settings import ConfigMismatch, ask_settings, check_settings, serve_settings, swarm_settings
 from tests.swarm import TINY, Swarm
 
 
@@ -89,6 +92,28 @@ async def test_a_node_whose_settings_differ_is_told_which_key_and_what_the_swarm
     # One odd peer does not speak for the swarm: the majority's settings are the swarm's.
     await serve_settings(net.transport("odd"), mine)
     assert await check_settings(joiner, ["odd", "a", "b"], swarm_settings(swarm_config)) == 3
+
+
+async def test_a_clock_far_from_the_peers_is_named_by_doctor_and_warned_of_by_a_joining_node(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Peer "ahead" runs 30 s ahead of this machine: doctor fails the clock check naming it and the fix, the node's
+    settings check (which does not stop it) logs the same; peers within the bound pass."""
+    net = MemoryNetwork()
+    settings = swarm_settings(load_config())
+    await serve_settings(net.transport("Qm-in-step"), settings)
+    await serve_settings(net.transport("Qm-close-by"), settings, clock=lambda: time.time() - 0.5)
+    await serve_settings(net.transport("Qm-ahead"), settings, clock=lambda: time.time() + 30)
+    joiner = net.transport("joiner")
+    fine = check_clock(await ask_settings(joiner, ["Qm-in-step", "Qm-close-by"]))
+    assert fine.ok and fine.detail.startswith("within 0.5") and fine.detail.endswith("of 2 peers"), fine
+    check = check_clock(await ask_settings(joiner, ["Qm-in-step", "Qm-ahead"]))
+    assert not check.ok
+    assert "more than 2 s from the peers' (Qm-ahead 30.0 s ahead)" in check.detail, check.detail
+    assert "timedatectl set-ntp true" in check.fix
+    with caplog.at_level(logging.WARNING, logger="swarmtrain.node.settings"):
+        assert await check_settings(joiner, ["Qm-in-step", "Qm-ahead"], settings) == 2
+    assert "Qm-ahead 30.0 s ahead" in caplog.text and "timedatectl" in caplog.text, caplog.text
 
 
 @pytest.mark.slow

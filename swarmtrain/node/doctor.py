@@ -5,8 +5,8 @@
 
 Checks, in order: the run directory is writable and its disk holds the checkpoints, the data is readable, the
 listen ports are free, the p2p daemon starts, each announced address can be dialled, and (with --join) the swarm
-answers and its settings (run id, model shape and exits, codec, outer step) are this config's. Exit status 1 when
-one fails.
+answers, its settings (run id, model shape and exits, codec, outer step) are this config's and its clocks are
+within ``settings.MAX_CLOCK_SKEW_S`` of this machine's. Exit status 1 when one fails.
 """
 
 from __future__ import annotations
@@ -26,6 +26,8 @@ from hivemind.utils.crypto import RSAPrivateKey
 from swarmtrain.config import Config
 from swarmtrain.errors import SwarmtrainError
 from swarmtrain.net import P2PTransport, load_auth, verify_swarm
+from swarmtrain.node import settings
+from swarmtrain.node.settings import Answer, ask_settings, differences, fix_for, majority, swarm_settings
 
 CHECKPOINT_COPIES = 5  # float32 copies of the parameters in a node checkpoint: model, AdamW m and v, theta_g, momentum
 
@@ -172,7 +174,6 @@ async def check_swarm(config: Config) -> list[Check]:
     """Reach the swarm through node.join and compare its settings with this config's."""
     from swarmtrain.dht import read_record
     from swarmtrain.node.node import NodeError, join_peers, start_dht, start_p2p
-    from swarmtrain.node.settings import ask_settings, differences, fix_for, majority, swarm_settings
 
     try:
         p2p = await start_p2p(config, None)
@@ -199,8 +200,9 @@ async def check_swarm(config: Config) -> list[Check]:
         answers = await ask_settings(transport, peers)
         if not answers:
             return [Check("swarm", False, "no peer answered with its settings", "check node.join")]
-        trained = {p: s for p, s in answers.items() if "model.depth" in s}
+        trained = {p: a for p, a in answers.items() if "model.depth" in a.settings}
         checks.append(Check("swarm", True, f"{len(answers)} peers answered, {len(trained)} of them training"))
+        checks.append(check_clock(answers))
         mine, swarm = swarm_settings(config), majority(answers)
         diffs = differences(mine, swarm)
         for key, value, theirs in diffs:
@@ -212,6 +214,22 @@ async def check_swarm(config: Config) -> list[Check]:
     finally:
         await p2p.shutdown()
     return checks
+
+
+def check_clock(answers: dict[str, Answer]) -> Check:
+    """This machine's clock against the peers' that answered (see ``settings.skewed``)."""
+    skews = settings.skewed(answers)
+    if skews:
+        return Check(
+            "clock", False, f"more than {settings.MAX_CLOCK_SKEW_S:.0f} s from the peers' "
+            f"({settings.describe_skew(skews)}); the DHT's records carry wall-clock expirations, so peers drop this "
+            "node's records or it theirs", settings.CLOCK_FIX,
+        )  # fmt: skip
+    known = [a for a in answers.values() if a.skew_s is not None]
+    if not known:
+        return Check("clock", True, "not compared: no peer sent its clock")
+    worst = max(abs(a.skew_s or 0.0) for a in known)
+    return Check("clock", True, f"within {worst:.2f} s of {len(known)} peer{'s' if len(known) > 1 else ''}")
 
 
 def run_checks(config: Config, say: Callable[[Check], None]) -> bool:

@@ -5,6 +5,10 @@ trains no model). A node asks the peers it joins through and those in its first 
 of them answer, and stops before training, naming each key that differs and the value the swarm uses, instead of
 being refused round after round (a model of another shape cannot join a group) or averaging with a swarm whose
 codec or outer optimizer differs. ``swarmtrain doctor`` makes the same check.
+
+Each answer also carries the peer's wall clock. hivemind's DHT stamps every record with a wall-clock expiration,
+so a node whose clock is off by more than a few seconds sees its peers' records expire early (or keeps dead ones)
+and its own look stale to them: the node warns and ``doctor`` fails, naming the fix.
 """
 
 from __future__ import annotations
@@ -12,8 +16,11 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
+import time
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import Any
 
 from swarmtrain.averaging import PROTOCOL_VERSION
@@ -25,6 +32,32 @@ log = logging.getLogger(__name__)
 
 SETTINGS_TIMEOUT = 10.0
 MAX_ASKED = 5  # peers asked: enough for a majority, few enough to stay quick
+# A record lives node.record_ttl_s (5 s by default) and is refreshed every node.heartbeat_s (1 s): a peer whose
+# clock runs ahead by more than the gap sees live records as expired. Half of it leaves a margin; NTP keeps
+# ordinary machines within milliseconds.
+MAX_CLOCK_SKEW_S = 2.0
+CLOCK_FIX = "sync this machine's clock (e.g. `timedatectl set-ntp true`, or run chrony or ntpd)"
+
+
+@dataclass(frozen=True, slots=True)
+class Answer:
+    """A peer's answer to "settings": its settings, and how far its clock is from ours."""
+
+    settings: dict[str, Any]
+    skew_s: float | None  # the peer's clock minus ours at the middle of the call; None if it sent no clock
+    error_s: float = 0.0  # half the call's round trip: the skew is known to within this
+
+
+def skewed(answers: dict[str, Answer], bound: float = MAX_CLOCK_SKEW_S) -> dict[str, float]:
+    """The peers whose clock is surely more than ``bound`` seconds from ours (the call's own time allowed for)."""
+    return {
+        peer: a.skew_s for peer, a in answers.items() if a.skew_s is not None and abs(a.skew_s) - a.error_s > bound
+    }
+
+
+def describe_skew(skews: dict[str, float]) -> str:
+    """One line naming the peers whose clocks are off and by how much, e.g. "QmAb..x 31.2 s ahead"."""
+    return ", ".join(f"{peer[-8:]} {abs(s):.1f} s {'ahead' if s > 0 else 'behind'}" for peer, s in skews.items())
 
 
 class ConfigMismatch(SwarmtrainError):
@@ -67,47 +100,64 @@ def fix_for(key: str, value: Any) -> str:
     return f"--set {key}={text.replace(' ', '')}"
 
 
-async def serve_settings(transport: Transport, settings: dict[str, Any]) -> None:
+async def serve_settings(
+    transport: Transport, settings: dict[str, Any], clock: Callable[[], float] = time.time
+) -> None:
     async def on_settings(sender: str, header: dict[str, Any], body: bytes) -> tuple[dict[str, Any], bytes]:
-        return {"settings": settings}, b""
+        return {"settings": settings, "time": clock()}, b""
 
     await transport.serve("settings", on_settings, max_body=0)
 
 
-async def ask_settings(transport: Transport, peers: Iterable[str]) -> dict[str, dict[str, Any]]:
-    """The settings each of ``peers`` (at most ``MAX_ASKED``, asked at once) answered within ``SETTINGS_TIMEOUT``;
-    peers that did not answer (a dead peer still in the view, a stock hivemind peer) are left out."""
+async def ask_settings(transport: Transport, peers: Iterable[str]) -> dict[str, Answer]:
+    """What each of ``peers`` (at most ``MAX_ASKED``, asked at once) answered within ``SETTINGS_TIMEOUT``; peers
+    that did not answer (a dead peer still in the view, a stock hivemind peer) are left out."""
 
-    async def ask(peer: str) -> dict[str, Any] | None:
+    async def ask(peer: str) -> Answer | None:
+        sent = time.time()
         try:
             answer, _ = await transport.call(peer, "settings", {}, timeout=SETTINGS_TIMEOUT)
         except RpcError as exc:
             log.info("could not ask %s for its settings: %s", peer[-8:], exc)
             return None
+        received = time.time()
         settings = answer.get("settings")
-        return settings if isinstance(settings, dict) and all(isinstance(k, str) for k in settings) else None
+        if not isinstance(settings, dict) or not all(isinstance(k, str) for k in settings):
+            return None
+        clock = answer.get("time")
+        known = isinstance(clock, int | float) and not isinstance(clock, bool) and math.isfinite(clock)
+        skew = clock - (sent + received) / 2 if known else None
+        return Answer(settings, skew, (received - sent) / 2)
 
     asked = list(dict.fromkeys(peers))[:MAX_ASKED]
     answers = await asyncio.gather(*(ask(peer) for peer in asked))
     return {peer: settings for peer, settings in zip(asked, answers, strict=True) if settings is not None}
 
 
-def majority(answers: dict[str, dict[str, Any]]) -> dict[str, Any]:
+def majority(answers: dict[str, Answer]) -> dict[str, Any]:
     """Per key, the value most of the answering peers hold (one odd peer does not speak for the swarm)."""
-    keys = dict.fromkeys(k for settings in answers.values() for k in settings)
+    held = [a.settings for a in answers.values()]
+    keys = dict.fromkeys(k for settings in held for k in settings)
     swarm = {}
     for key in keys:
-        votes = Counter(json.dumps(s[key], sort_keys=True) for s in answers.values() if key in s)
+        votes = Counter(json.dumps(s[key], sort_keys=True) for s in held if key in s)
         swarm[key] = json.loads(votes.most_common(1)[0][0])
     return swarm
 
 
 async def check_settings(transport: Transport, peers: Iterable[str], mine: dict[str, Any]) -> int:
     """Raise ``ConfigMismatch`` if the swarm's settings (the majority of ``peers`` that answer) differ from
-    ``mine``; returns how many peers answered."""
+    ``mine``; returns how many peers answered. A clock far from the peers' is logged as a warning with its fix."""
     answers = await ask_settings(transport, peers)
     if not answers:
         return 0
+    skews = skewed(answers)
+    if skews:
+        log.warning(
+            "this machine's clock is more than %.0f s from its peers' (%s): the DHT stamps records with wall-clock "
+            "expirations, so peers will drop this node's records or it theirs; %s",
+            MAX_CLOCK_SKEW_S, describe_skew(skews), CLOCK_FIX,
+        )  # fmt: skip
     diffs = differences(mine, majority(answers))
     if diffs:
         source = f"as {len(answers)} peer{'s' if len(answers) > 1 else ''} of the swarm answered"
