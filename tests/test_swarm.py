@@ -62,6 +62,9 @@ def test_four_nodes_agree_bit_for_bit_after_every_round(swarm: Swarm, codec: str
     assert all(ideal <= r["bytes_per_param"] < ideal * 1.1 + 8_000 / numel for r in rows)
     final = [r for r in swarm.metrics("n1") if r["kind"] == "final"][0]
     assert final["bpb"] < 8.0
+    # Off a terminal (stdout is the log file) a node prints one line per round for people.
+    printed = [line for line in swarm.log("n1").splitlines() if line.startswith("round ")]
+    assert [line.split(",")[0] for line in printed] == [f"round {r}: applied in a group of 4" for r in range(5)]
 
 
 def test_survivors_of_a_kill_9_mid_all_reduce_agree_and_keep_training(swarm: Swarm) -> None:

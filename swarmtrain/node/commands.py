@@ -23,8 +23,10 @@ from rich.text import Text
 
 from swarmtrain.config import Config
 from swarmtrain.dht import PeerRecord, load_identity_key, read_record
+from swarmtrain.logs import current_log_format
 from swarmtrain.net import P2PTransport, load_auth, serve_hello
 from swarmtrain.node.node import Node, NodeError, join_line, start_dht, start_p2p
+from swarmtrain.node.panel import Panel
 from swarmtrain.node.settings import serve_settings, swarm_settings
 from swarmtrain.signals import STOP_SIGNALS, handled_by_loop
 
@@ -60,8 +62,11 @@ def run_until_interrupted(main: Callable[[], Awaitable[None]], leave: Callable[[
 
 
 def run_node(config: Config, resume: bool = False) -> None:
+    """Run a node until it finishes or is stopped: a live panel on a terminal, a line per round otherwise."""
     node = Node(config, resume)
-    run_until_interrupted(node.run, leave=node.request_leave)
+    console = Console()
+    with Panel(node.status, console, live=console.is_terminal and current_log_format() == "plain"):
+        run_until_interrupted(node.run, leave=node.request_leave)
 
 
 def run_bootstrap(config: Config) -> None:

@@ -91,6 +91,7 @@ class NodeStatus:
         self.rounds: deque[dict[str, Any]] = deque(maxlen=history)
         self.events: deque[dict[str, Any]] = deque(maxlen=events)
         self.listeners: list[Any] = []  # callables (state, reason) run on every change (the DHT record, metrics)
+        self.round_listeners: list[Callable[[dict[str, Any]], None]] = []  # run with each round's line (panel)
 
     def set(self, state: NodeState, reason: str = "") -> None:
         with self._lock:
@@ -115,6 +116,8 @@ class NodeStatus:
             self.round = int(line["round"]) + 1
             self.group = list(line.get("group", []))
             self.rounds.append(line)
+        for listener in self.round_listeners:
+            listener(line)
 
     def snapshot(self) -> dict[str, Any]:
         """What ``/status`` returns: JSON-ready, a copy."""
