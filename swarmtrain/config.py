@@ -140,6 +140,13 @@ class NodeConfig(_Section):
     """Multiaddrs to listen on; use /ip4/0.0.0.0/tcp/31337 to accept peers from other machines."""
     announce: list[str] = Field(default_factory=list)
     """Multiaddrs other peers should dial (your public address behind NAT or port forwarding)."""
+    reachability: Literal["auto", "on", "off"] = "auto"
+    """Ask up to 3 peers at start to dial this node back on its addresses, and warn if none can: "auto" does when
+    it has an address other than loopback."""
+    use_auto_relay: bool = False
+    """Behind a NAT with no forwarded port: have relays carry inbound connections (the p2p daemon's AutoRelay)."""
+    relays: list[str] = Field(default_factory=list)
+    """Multiaddrs of relays to use with node.use_auto_relay (the daemon's trusted relays)."""
     join: list[str] = Field(default_factory=list)
     """Multiaddrs of peers already in the swarm (with /p2p/<peer id>); empty starts a new swarm."""
     identity: str | None = None
@@ -178,7 +185,7 @@ class NodeConfig(_Section):
         import multihash
         from multiaddr import Multiaddr
 
-        for key in ("host", "announce", "join"):
+        for key in ("host", "announce", "join", "relays"):
             for addr in getattr(self, key):
                 try:
                     parsed = Multiaddr(addr)
@@ -187,9 +194,9 @@ class NodeConfig(_Section):
                         f"node.{key} entry {addr!r} is not a valid multiaddr ({exc}); "
                         "it looks like /ip4/203.0.113.5/tcp/31337/p2p/12D3KooW..."
                     ) from None
-                if key == "join" and "/p2p/" not in str(parsed):
+                if key in ("join", "relays") and "/p2p/" not in str(parsed):
                     raise ValueError(
-                        f"node.join entry {addr!r} lacks the peer id: copy the whole line the peer printed, "
+                        f"node.{key} entry {addr!r} lacks the peer id: copy the whole line the peer printed, "
                         "ending in /p2p/12D3KooW..."
                     )
         for peer in self.allow_peers:

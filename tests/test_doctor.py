@@ -128,6 +128,7 @@ def test_doctor_and_a_joining_node_compare_the_config_with_a_running_swarm(
     code, out = doctor(capsys, *base)
     assert code == 0, out
     assert "ok    config: run id, protocol, model shape and exits, codec match the swarm's" in out
+    assert "ok    reachable from the swarm: reachable at /ip4/127.0.0.1/tcp/" in out, out
     code, out = doctor(capsys, *base, "--set", "node.run_id=other")
     assert code == 1
     assert "FAIL  config node.run_id: 'other' here, the swarm uses 'swarmtrain'" in out, out

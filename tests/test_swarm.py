@@ -198,7 +198,7 @@ def test_a_late_joiner_syncs_and_contributes_within_two_rounds(swarm: Swarm) -> 
     first = swarm.join_line("a")
     swarm.start("b", 0, join=first, extra=["node.min_peers=2", *slow_rounds])
     swarm.wait_until(lambda: len(swarm.rounds("a")) >= 3, 90, "a: 3 rounds with b")
-    swarm.start("c", 0, join=first, extra=slow_rounds)
+    swarm.start("c", 0, join=first, extra=[*slow_rounds, "node.reachability=on"])  # "auto" skips loopback
 
     def contributing() -> list[dict]:
         return [r for r in swarm.rounds("c") if r["tokens"] > 0 and r["group_size"] > 1]
@@ -206,6 +206,8 @@ def test_a_late_joiner_syncs_and_contributes_within_two_rounds(swarm: Swarm) -> 
     swarm.wait_until(lambda: contributing(), 120, "c contributing to a group")
     since = contributing()[0]["round"]
     swarm.wait_until(lambda: swarm.rounds("c")[-1]["round"] >= since + 2, 60, "c: two rounds more")
+    # At start it asked its peers to dial it back (net.reachability); each starts a daemon to dial from.
+    swarm.wait_until(lambda: "dialled back by" in swarm.log("c"), 60, "c: a peer's dial-back")
     for name in ("a", "b", "c"):
         swarm.kill(name, signal.SIGINT)
     swarm.wait(["a", "b", "c"], timeout=60)
@@ -221,3 +223,5 @@ def test_a_late_joiner_syncs_and_contributes_within_two_rounds(swarm: Swarm) -> 
     for r in [r for name in ("a", "b", "c") for r in swarm.rounds(name)]:
         by_group.setdefault(r["group_id"], set()).add(r["digest"])
     assert all(len(digests) == 1 for digests in by_group.values()), by_group
+    port = swarm.join_line("c").split("/tcp/")[1].split("/")[0]
+    assert f"reachable at /ip4/127.0.0.1/tcp/{port}: dialled back by" in swarm.log("c"), swarm.log("c")

@@ -25,6 +25,7 @@ from swarmtrain.config import Config
 from swarmtrain.dht import PeerRecord, load_identity_key, read_record
 from swarmtrain.logs import current_log_format
 from swarmtrain.net import P2PTransport, load_auth, serve_hello
+from swarmtrain.net.reachability import serve_dialback
 from swarmtrain.node.node import Node, NodeError, join_line, start_dht, start_p2p
 from swarmtrain.node.panel import Panel
 from swarmtrain.node.settings import serve_settings, swarm_settings
@@ -80,6 +81,7 @@ def run_bootstrap(config: Config) -> None:
             transport = P2PTransport(p2p, auth=auth)
             await serve_hello(transport)  # joiners check their swarm key with this peer
             await serve_settings(transport, swarm_settings(config, trains=False))  # and their run id
+            await serve_dialback(transport)  # and whether other machines can dial them
             dht = await start_dht(p2p, config, load_identity_key(identity))
             maddrs = await p2p.get_visible_maddrs()
             print(f"bootstrap peer {p2p.peer_id} is up; nodes join with: swarmtrain node {join_line(maddrs)}")

@@ -5,8 +5,9 @@
 
 Checks, in order: the run directory is writable and its disk holds the checkpoints, the data is readable, the
 listen ports are free, the p2p daemon starts, each announced address can be dialled, and (with --join) the swarm
-answers, its settings (run id, model shape and exits, codec, outer step) are this config's and its clocks are
-within ``settings.MAX_CLOCK_SKEW_S`` of this machine's. Exit status 1 when one fails.
+answers, its settings (run id, model shape and exits, codec, outer step) are this config's, its clocks are
+within ``settings.MAX_CLOCK_SKEW_S`` of this machine's, and its peers can dial this machine back on its addresses
+(``net.reachability``). Exit status 1 when one fails.
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ from hivemind.utils.crypto import RSAPrivateKey
 
 from swarmtrain.config import Config
 from swarmtrain.errors import SwarmtrainError
-from swarmtrain.net import P2PTransport, load_auth, verify_swarm
+from swarmtrain.net import P2PTransport, load_auth, reachability, verify_swarm
+from swarmtrain.net.reachability import Reachability, ask_dialback, dialable
 from swarmtrain.node import settings
 from swarmtrain.node.settings import Answer, ask_settings, differences, fix_for, majority, swarm_settings
 
@@ -203,6 +205,8 @@ async def check_swarm(config: Config) -> list[Check]:
         trained = {p: a for p, a in answers.items() if "model.depth" in a.settings}
         checks.append(Check("swarm", True, f"{len(answers)} peers answered, {len(trained)} of them training"))
         checks.append(check_clock(answers))
+        addrs = dialable(await p2p.get_visible_maddrs())
+        checks.append(check_reachable(await ask_dialback(transport, answers, addrs)))
         mine, swarm = swarm_settings(config), majority(answers)
         diffs = differences(mine, swarm)
         for key, value, theirs in diffs:
@@ -230,6 +234,13 @@ def check_clock(answers: dict[str, Answer]) -> Check:
         return Check("clock", True, "not compared: no peer sent its clock")
     worst = max(abs(a.skew_s or 0.0) for a in known)
     return Check("clock", True, f"within {worst:.2f} s of {len(known)} peer{'s' if len(known) > 1 else ''}")
+
+
+def check_reachable(result: Reachability) -> Check:
+    """Whether the peers that answered could dial this machine back on its addresses (``net.reachability``)."""
+    if result.known and not result.ok:
+        return Check("reachable from the swarm", False, result.summary(), reachability.FIX)
+    return Check("reachable from the swarm", True, result.summary())
 
 
 def run_checks(config: Config, say: Callable[[Check], None]) -> bool:

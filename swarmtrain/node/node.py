@@ -34,6 +34,7 @@ from swarmtrain.data import load_corpus
 from swarmtrain.dht import Membership, PeerRecord, ban_table, load_identity_key, record_validators
 from swarmtrain.errors import CheckpointError, SwarmtrainError
 from swarmtrain.net import P2PTransport, load_auth, serve_hello, verify_swarm
+from swarmtrain.net.reachability import FIX, ask_dialback, dialable, is_loopback, serve_dialback
 from swarmtrain.node.inner import InnerLoop, build_inner_loop
 from swarmtrain.node.observe import NodeMetrics, ObserveServer, dashboard
 from swarmtrain.node.resume import open_run_dir, outer_state
@@ -55,6 +56,8 @@ async def start_p2p(config: Config, identity: Path | None, client: bool = False)
     """Start the p2pd daemon; an unreachable --join address becomes a clear error."""
     node = config.node
     kwargs: dict[str, Any] = {"host_maddrs": node.host, "announce_maddrs": node.announce or None}
+    if node.use_auto_relay:  # inbound connections through relays (see ``net.reachability``)
+        kwargs.update(use_auto_relay=True, trusted_relays=node.relays or None)
     if identity is not None:
         identity.parent.mkdir(parents=True, exist_ok=True)
         kwargs["identity_path"] = str(identity)
@@ -165,6 +168,7 @@ class Node:
             await serve_hello(transport)
             settings = swarm_settings(config)
             await serve_settings(transport, settings)
+            await serve_dialback(transport)
             await verify_swarm(transport, join_peers(config))  # a key mismatch is an error, not a silent solo run
             averager = Averager(
                 transport, theta, run_id=node.run_id, group_size=avg.group_size, outer_lr=avg.outer_lr,
@@ -199,12 +203,14 @@ class Node:
             await membership.publish()
             await membership.refresh()
             heartbeat = asyncio.create_task(membership.run(node.heartbeat_s))
+            reachable = asyncio.create_task(self._check_reachability(transport, membership, maddrs))
             try:
                 await self._wait_for_peers(membership)
                 await self._sync_on_start(averager, membership, trainer)
                 await self._train(trainer, averager, membership, transport)
             finally:
                 heartbeat.cancel()
+                reachable.cancel()
                 with contextlib.suppress(Exception):
                     await asyncio.wait_for(membership.leave(), 3.0)
                 await asyncio.to_thread(trainer.stop)  # an interrupted round's steps end before the checkpoint
@@ -249,6 +255,30 @@ class Node:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(membership.leave(), 3.0)
             raise
+
+    async def _check_reachability(self, transport: Any, membership: Membership, maddrs: list[Any]) -> None:
+        """Ask peers to dial this node back on its addresses (``net.reachability``), once one is there; a node no
+        peer can dial is told so, with the fix. "auto" skips a node that only has loopback addresses."""
+        node = self.config.node
+        addrs = dialable(maddrs)
+        if node.reachability == "off" or not addrs:
+            return
+        if node.reachability == "auto" and all(is_loopback(a) for a in addrs):
+            return
+        me = transport.peer_id
+        for _ in range(120):  # up to 10 minutes for a first peer
+            peers = [*join_peers(self.config), *(p for p in membership.view if p != me)]
+            if peers:
+                break
+            await asyncio.sleep(5.0)
+        else:
+            return
+        result = await ask_dialback(transport, peers, addrs)
+        if result.known and not result.ok:
+            log.warning("%s: %s", result.summary(), FIX)
+            self.status.event("unreachable", result.summary())
+        else:
+            log.info("%s", result.summary())
 
     async def _wait_for_peers(self, membership: Membership) -> None:
         node = self.config.node

@@ -102,6 +102,11 @@ class NodeStatus:
         for listener in self.listeners:
             listener(state, reason)
 
+    def event(self, kind: str, reason: str) -> None:
+        """Something a person should see that is not a change of state (e.g. ``unreachable`` at start)."""
+        with self._lock:
+            self.events.append({"time": time.time(), "round": self.round, "state": kind, "reason": reason})
+
     def set_bans(self, bans: dict[str, dict[str, Any]]) -> None:
         """The peers this node bans now (its record's ``bans``); a new ban is also an event."""
         with self._lock:
