@@ -199,3 +199,36 @@ async def test_what_a_shard_that_fell_back_carried_goes_back_into_the_residual_o
             assert torch.count_nonzero(a.residual[: 2 * NUMEL // 3]) == 0
         # And theta_g got nothing of it there.
         assert torch.count_nonzero(a.outer.theta[shard]) == 0
+
+
+async def test_a_part_its_reducer_left_out_of_a_shard_that_applied_goes_back_into_the_residual_once() -> None:
+    """Nothing lost: peer1's stream of parts to peer0 (the reducer of shard 0) breaks after the first part, and
+    peer1 stays live. peer0 reduces the rest of shard 0 without peer1 at its deadline and says so with each part;
+    the shard applies everywhere, and peer1 (only peer1, only there) keeps what it sent for the next round."""
+    net, averagers = make_swarm([torch.zeros(NUMEL) for _ in range(3)])
+    for a in averagers:
+        await a.start()
+    broken = []
+
+    def break_after_first_part(src: str, dst: str, method: str, header: dict) -> None:
+        if (src, dst, method) == ("peer1", "peer0", "parts#frame") and header["frame"] == 1 and not broken:
+            broken.append(header)
+            raise ConnectionError("stream reset")
+
+    net.before_call = break_after_first_part
+    deltas = [torch.randn(NUMEL) for _ in range(3)]
+    outcomes = await run_round(averagers, deltas, [1.0] * 3)
+    assert broken and [o.outcome for o in outcomes] == ["applied"] * 3, outcomes
+    assert len({o.digest for o in outcomes}) == 1
+    shard0 = NUMEL // 3
+    left_out = slice(500, shard0)  # parts 1.. of shard 0 (part_numel 500)
+    theta = averagers[0].outer.theta
+    # theta_g = -(average of what was included): all three everywhere but there, peer0 and peer2 there.
+    torch.testing.assert_close(theta[left_out], -(deltas[0] + deltas[2])[left_out] / 2)
+    torch.testing.assert_close(theta[shard0:], -sum(deltas)[shard0:] / 3)
+    for i, a in enumerate(averagers):
+        owed = torch.zeros(NUMEL)
+        if i == 1:
+            owed[left_out] = deltas[1][left_out]
+        assert a.residual is not None
+        torch.testing.assert_close(a.residual, owed)

@@ -49,6 +49,7 @@ class _Inbox:
 
     buffer: torch.Tensor
     parts: set[int] = field(default_factory=set)
+    masks: dict[int, bytes] = field(default_factory=dict)  # results only: per part, the members the reducer included
     complete: asyncio.Event = field(default_factory=asyncio.Event)
     arrived: asyncio.Event = field(default_factory=asyncio.Event)
 
@@ -112,6 +113,27 @@ class AllReduce(GroupExchange):
             raise Rejected(f"bad {what} payload: non-finite values or values beyond +-{MAX_ABS_VALUE:g}")
         return values
 
+    @property
+    def mask_bytes(self) -> int:
+        return (self.group.size + 7) // 8
+
+    def _mask(self, included: list[int]) -> bytes:
+        """The members (by index) a reducer included in one part: a bit each, sent ahead of the part's payload."""
+        bits = sum(1 << i for i in included)
+        return bits.to_bytes(self.mask_bytes, "little")
+
+    def _check_mask(self, mask: bytes) -> bytes:
+        if len(mask) != self.mask_bytes or int.from_bytes(mask, "little") >> self.group.size:
+            raise Rejected("bad result: its mask of included members does not fit the group")
+        return mask
+
+    def _result_hash(self, j: int) -> str:
+        """What members compare for shard j: the averaged values and whom each part included, so that members
+        that apply the shard also agree on whose contribution it holds (see ``_give_back``)."""
+        box = self.results[j]
+        masks = b"".join(box.masks[p] for p in sorted(box.masks))
+        return hashlib.sha256(tensor_hash(box.buffer).encode() + masks).hexdigest()[:24]
+
     def _store(self, box: _Inbox, header: dict[str, Any], body: bytes, codec: Codec, what: str) -> None:
         parts = self._parts(box.buffer.numel())
         part = header.get("part")
@@ -154,7 +176,9 @@ class AllReduce(GroupExchange):
         if header.get("part") in self.results[j].parts:
             raise Rejected("duplicate result part")
         try:
+            mask, body = self._check_mask(body[: self.mask_bytes]), body[self.mask_bytes :]
             self._store(self.results[j], header, body, self.codec_down, "result")
+            self.results[j].masks[header["part"]] = mask
         except Rejected as exc:
             self.liveness.mark_dead(sender, f"sent a bad result ({exc})")
             raise
@@ -262,7 +286,7 @@ class AllReduce(GroupExchange):
                 average = torch.zeros(e - s)
                 rows = [self.inbox[members[i]].buffer[s:e] for i in included]
                 self.aggregator.reduce(rows, [weights[i] for i in included], average)
-                ready[p] = self.codec_down.encode(average)
+                ready[p] = self._mask(included) + self.codec_down.encode(average)
                 produced[p].set()
                 self._deliver_locally("results", header, p, ready[p])
         finally:
@@ -282,7 +306,7 @@ class AllReduce(GroupExchange):
             await asyncio.gather(*scatter, self._reduce_and_broadcast(), self._gather())
             self.closed = True
             transferred = loop.time()
-            hashes = [tensor_hash(r.buffer) if r.complete.is_set() else None for r in self.results]
+            hashes = [self._result_hash(j) if r.complete.is_set() else None for j, r in enumerate(self.results)]
             applied = await self._agree(hashes)
             for result, ok in zip(self.results, applied, strict=True):
                 if not ok:
@@ -297,11 +321,11 @@ class AllReduce(GroupExchange):
             self.liveness.close()
 
     def _give_back(self, applied: list[bool]) -> None:
-        """Return to the residual, once, what I contributed to shards the group did not apply, and the parts of my
-        update that were never encoded (a stream that broke first): the next round sends them again.
-
-        Not covered: a part that was sent but left out by a reducer whose shard still applied (it arrived after
-        the reduction); the reducer does not report whom it included.
+        """Return to the residual, once, what I contributed and the group did not apply: the parts of my update
+        that were never encoded (a stream that broke first), what I sent to shards that fell back, and what I sent
+        to a part its reducer left out (it arrived after the reduction) while the shard applied. Each reducer
+        sends with every part the members it included (``_mask``), and the members' reports agree on it, so
+        every member knows the same. The next round sends it all again.
         """
         if self.residual is None or self.sent is None or self.group.weights[self.index] <= 0:
             return
@@ -310,10 +334,17 @@ class AllReduce(GroupExchange):
             encoded[start:end] = True
         unsent = ~encoded
         self.residual[unsent] += self.delta[unsent]
-        for (start, end), ok in zip(self.bounds, applied, strict=True):
-            if not ok:
-                mask = encoded[start:end]
-                self.residual[start:end][mask] += self.sent[start:end][mask]
+        mine = 1 << self.index
+        for j, ((start, end), ok) in enumerate(zip(self.bounds, applied, strict=True)):
+            parts = self._parts(end - start)
+            if ok:  # the parts that left me out
+                left_out = [p for p, m in self.results[j].masks.items() if not int.from_bytes(m, "little") & mine]
+            else:
+                left_out = list(range(len(parts)))
+            for p in left_out:
+                s, e = start + parts[p][0], start + parts[p][1]
+                mask = encoded[s:e]
+                self.residual[s:e][mask] += self.sent[s:e][mask]
 
     async def _gather(self) -> None:
         for j, peer in enumerate(self.group.members):

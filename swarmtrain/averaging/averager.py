@@ -33,7 +33,7 @@ log = logging.getLogger(__name__)
 
 # 2: sparse/low-rank all-gathered; 3: state in chunks; 4: relays, records signed by identity; 5: shards rotate
 # per round, a group runs one budget, bans.
-PROTOCOL_VERSION = 5
+PROTOCOL_VERSION = 6
 _ROUTE_WAIT = 5.0  # a member may hear of its group a moment after a peer that already sends
 _SMALL = 1 << 16
 _MAX_ROUTES = 64
