@@ -8,6 +8,7 @@ import torch
 
 from swarmtrain.averaging import Averager, leader_candidates
 from swarmtrain.averaging.allgather import Segment, plan_segments
+from swarmtrain.averaging.round import Phase
 from swarmtrain.compression import get_codec
 from swarmtrain.net import MemoryNetwork, PeerUnreachable
 
@@ -180,6 +181,6 @@ async def test_a_payload_nobody_received_goes_back_into_the_senders_residual() -
     assert outcomes[0].digest == outcomes[1].digest and outcomes[0].applied_fraction == 2 / 3
     # Its reports still reach the others: it applies the same average (it holds their payloads) and is confirmed.
     assert outcomes[2].outcome == "fallback" and outcomes[2].digest == outcomes[0].digest
-    assert not averagers[2].needs_catch_up
+    assert averagers[2].lifecycle.phase is not Phase.CATCH_UP
     # Nothing of peer2's update reached theta_g, and nothing of it is lost: all of it waits in its residual.
     torch.testing.assert_close(averagers[2].residual, deltas[2])

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from swarmtrain.averaging import Averager, gossip_groups, leader_candidates
+from swarmtrain.averaging.round import Phase
 from swarmtrain.compression import get_codec
 from swarmtrain.errors import IncompatibleSwarm
 from swarmtrain.net import MemoryNetwork, PeerUnreachable
@@ -115,7 +116,7 @@ async def test_bad_payload_excludes_the_sender_but_keeps_replicas_identical() ->
     # The others still send the bad sender their reports and digests, so it applies the same fallback and ends
     # with their state: nothing to catch up.
     assert [o.outcome for o in outcomes] == ["fallback"] * 3 and outcomes[2].digest == outcomes[0].digest
-    assert not averagers[2].needs_catch_up
+    assert averagers[2].lifecycle.phase is not Phase.CATCH_UP
 
 
 async def test_a_member_whose_join_answer_was_lost_asks_again_and_averages_with_the_group() -> None:
@@ -254,7 +255,7 @@ async def test_an_update_that_missed_its_round_joins_the_next_one_damped_by_its_
     late = averagers[2].run_round(stale, 1.0, ["peer2"], set(peers), gather_timeout=0.5)
     fast = [a.run_round(torch.randn(NUMEL), 1.0, ["peer0", "peer1"], {"peer0", "peer1"}, 2.0) for a in averagers[:2]]
     outcomes = await asyncio.gather(late, *fast)
-    assert outcomes[0].outcome == "diverged" and averagers[2].needs_catch_up
+    assert outcomes[0].outcome == "diverged" and averagers[2].lifecycle.phase is Phase.CATCH_UP
     assert await averagers[2].fetch_state(["peer0"], outcomes[1].digest)
     # Round 1: everyone contributes; peer2's round-0 update rides along at 1 / (1 + 1).
     before = averagers[0].outer.theta.clone()
@@ -263,7 +264,7 @@ async def test_an_update_that_missed_its_round_joins_the_next_one_damped_by_its_
     assert {o.outcome for o in outcomes} == {"applied"} and len({o.digest for o in outcomes}) == 1
     expected = before - (deltas[0] + deltas[1] + deltas[2] + stale / 2) / 3
     torch.testing.assert_close(averagers[0].outer.theta, expected)
-    assert averagers[2].stale is None  # carried once, not again
+    assert averagers[2].lifecycle.stale is None  # carried once, not again
 
 
 async def test_a_swarm_of_short_rounds_never_runs_out_of_routes() -> None:

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from swarmtrain.averaging import Averager
+from swarmtrain.averaging.round import Phase
 from swarmtrain.compression import get_codec
 from swarmtrain.net import MemoryNetwork, PeerUnreachable
 
@@ -69,7 +70,7 @@ async def test_an_observer_that_lost_its_only_contributor_never_zeroes_theta() -
     assert [o.outcome for o in outcomes] == ["fallback", "fallback"], outcomes
     for a, theta in zip(averagers, thetas, strict=True):
         torch.testing.assert_close(a.outer.theta, theta - delta, msg=f"{a.me}: theta_g is not its own minus delta")
-        assert not a.needs_catch_up
+        assert a.lifecycle.phase is not Phase.CATCH_UP
 
 
 async def test_whether_a_gossip_round_mixes_does_not_depend_on_who_saw_a_peer_die() -> None:
@@ -140,7 +141,7 @@ async def test_a_report_that_reached_only_one_survivor_is_relayed_to_the_other()
     expected[: NUMEL // 3] = 0  # shard 0: the agreed fallback, no update
     for a in averagers[:2]:
         torch.testing.assert_close(a.outer.theta, expected)
-        assert not a.needs_catch_up
+        assert a.lifecycle.phase is not Phase.CATCH_UP
 
 
 async def test_two_identical_survivors_of_four_confirm_each_other() -> None:
@@ -161,7 +162,7 @@ async def test_two_identical_survivors_of_four_confirm_each_other() -> None:
     survivors = outcomes[:2]
     assert survivors[0].digest == survivors[1].digest
     assert [o.outcome for o in survivors] == ["applied", "applied"]
-    assert not any(a.needs_catch_up for a in averagers[:2])
+    assert all(a.lifecycle.phase is not Phase.CATCH_UP for a in averagers[:2])
     torch.testing.assert_close(averagers[0].outer.theta, -sum(deltas) / 4)
 
 

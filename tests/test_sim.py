@@ -12,8 +12,9 @@ from swarmtrain.averaging.sim import replay_command, run_seed
 
 # Seeds that found a break in the protocol, kept as regression tests (seed, rounds): a member cut off through the
 # report exchange decided alone in a gossip round that did not mix, and confirmed a state nobody shared instead
-# of counting itself diverged. Each fails when both guards in ``Averager.run_round`` are removed (a member that
-# heard no one's report, or that holds the digests of half the group or fewer, does not confirm an unmixed round).
+# of counting itself diverged. They failed when both guards in ``round.decide`` were removed (a member that heard
+# no one's report, or that holds the digests of half the group or fewer, does not confirm an unmixed round); since
+# the later fixes below, 191 and 220 still do, 222 and 132 no longer reach that case.
 FOUND = [(222, 1), (132, 2), (191, 2), (220, 2)]
 # Members of one group ran different phase deadlines (each capped the leader's budget by its own adaptive deadline),
 # so one decided on the reports while a live member's report was still due: the leader now gives the group the

@@ -5,14 +5,18 @@ from swarmtrain.averaging.averager import PROTOCOL_VERSION, Averager, RoundOutco
 from swarmtrain.averaging.exchange import AllReduceResult
 from swarmtrain.averaging.group import Group, gossip_groups, leader_candidates
 from swarmtrain.averaging.outer import OuterOptimizer, state_digest
+from swarmtrain.averaging.round import Event, Lifecycle, Phase
 
 __all__ = [
     "PROTOCOL_VERSION",
     "AllReduce",
     "AllReduceResult",
     "Averager",
+    "Event",
     "Group",
+    "Lifecycle",
     "OuterOptimizer",
+    "Phase",
     "RoundOutcome",
     "gossip_groups",
     "leader_candidates",

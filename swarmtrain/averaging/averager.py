@@ -20,11 +20,12 @@ import torch
 from swarmtrain.averaging.allgather import AllGather, plan_segments
 from swarmtrain.averaging.allreduce import AllReduce
 from swarmtrain.averaging.bans import Bans
-from swarmtrain.averaging.exchange import AllReduceResult, GroupExchange, digest_vote
+from swarmtrain.averaging.exchange import AllReduceResult, GroupExchange
 from swarmtrain.averaging.group import Group
 from swarmtrain.averaging.matchmaking import Matchmaker
 from swarmtrain.averaging.outer import OuterOptimizer
 from swarmtrain.averaging.robust import Aggregator
+from swarmtrain.averaging.round import Event, Lifecycle, Round, Stale, Step, Verdict, alone_applies, decide
 from swarmtrain.averaging.statesync import CHUNK_BYTES, SnapshotStore, download_state
 from swarmtrain.compression import BaseCodec, CodecState, all_finite, get_codec
 from swarmtrain.net import Handler, Rejected, StreamHandler, Transport
@@ -39,6 +40,11 @@ _SMALL = 1 << 16
 _MAX_ROUTES = 64
 _ROUTES_PER_PEER = 4  # groups one peer may announce before we claim them: a stranger cannot crowd out real ones
 DIGEST_SHARE = 0.1  # the least share of a budget the digest exchange gets, even when it starts late
+
+
+def _now() -> float:
+    """The loop's clock: virtual in the fault simulator, so seeds replay exactly."""
+    return asyncio.get_running_loop().time()
 
 
 @dataclass
@@ -96,7 +102,9 @@ class Averager:
         self.group_size = group_size
         self.matchmaker.bans = Bans(self.me, ban_rounds)  # peers caught sending invalid payloads (``bans``)
         self.round = 0
-        self.needs_catch_up = False
+        # The node's phase between rounds (solo, in step, catching up, observing, ...) and an update that missed its
+        # round: ``round.Lifecycle``, moved by the rounds here and by the node's catch-up.
+        self.lifecycle = Lifecycle()
         self._buffers: dict[str, torch.Tensor] = {}
         # Error feedback: what the codec dropped, and what this node contributed but the group did not apply (a
         # shard or payload that fell back), re-sent with later rounds. Lossless codecs need it for the latter.
@@ -109,14 +117,6 @@ class Averager:
         self._finished: set[str] = set()  # routes of exchanges that are over, kept a while to refuse late messages
         self._opened_by: dict[str, str] = {}  # unclaimed routes: the peer whose message opened each
         self._durations: list[float] = []
-        # An update that missed its round (this node was too slow, or cut off): added to the next contribution
-        # at 1 / (1 + rounds late) instead of being lost (see ``_with_stale``).
-        self.stale: torch.Tensor | None = None
-        self.stale_round = 0
-        # Whether a round alone may apply its update: true until this node averages with others; then false
-        # until the node found no one to catch up from (``go_solo``), so a lookup that briefly shows no peers
-        # cannot fork theta_g.
-        self.solo = True
         self.fail_at = tuple(int(kv.split("=")[1]) for kv in fail_at.split(",")) if fail_at else None
         fp32 = get_codec("fp32")  # gossip rounds mix theta_g losslessly
         largest = [c.payload_size(part_numel) for c in (codec_up, codec_down, fp32)]
@@ -250,7 +250,6 @@ class Averager:
             return False
         round_, _, tensors = found
         self.outer.load_state_tensors(tensors)
-        self.needs_catch_up = False
         self.round = max(self.round, round_)
         return True
 
@@ -272,10 +271,37 @@ class Averager:
     async def run_round(
         self, delta: torch.Tensor, weight: float, candidates: list[str], expected: set[str], gather_timeout: float
     ) -> RoundOutcome:
-        """Average ``delta`` (theta_g - theta_local) with my group and apply the outer step to theta_g."""
-        round_ = self.round
-        loop = asyncio.get_running_loop()
-        started = loop.time()  # the loop's clock: virtual in the fault simulator, so seeds replay exactly
+        """Average ``delta`` (theta_g - theta_local) with my group and apply the outer step to theta_g.
+
+        The round's steps (``round.Step``): form the group; a round of one ends there. Otherwise mix theta_g in a
+        gossip group, exchange the update and step, vote on the digests, resync when in the minority. The outcome
+        is ``round.decide``, and the node's phase moves by one ``round.Event`` at the end.
+        """
+        r = Round(self.round, _now())
+        delta, weight = self._contribution(delta, weight, r.number)
+        group = await self._gather(r, weight, candidates, expected, gather_timeout)
+        if group.size == 1:
+            return self._round_of_one(r, group, delta, weight, others_expected=bool(expected - {self.me}))
+        update = self._open_exchange(r, group, delta)
+        spread, mixes, heard = await self._mix(r, group, update) if group.mixed else (None, False, True)
+        result = await self._exchange(r, update)
+        digest = self.outer.digest()
+        digests = await self._digests(r, update, digest)
+        self._note_duration(result)
+        verdict = decide(
+            self.me, digest, digests, result.applied, group.size, group.mixed, mixes, heard, len(update.view)
+        )  # the view after the digests: they relay it too
+        outcome, digest = await self._settle(r, verdict, digest)
+        r.enter(Step.DONE)
+        phases = {k: round(v, 4) for k, v in r.phases.items()}
+        return RoundOutcome(
+            r.number, group, outcome, digest, sum(result.applied) / group.size, result.excluded,
+            _now() - r.started, spread, phases, decisions=tuple(result.applied),
+            mixed=mixes, alone=verdict.alone,
+        )  # fmt: skip
+
+    def _contribution(self, delta: torch.Tensor, weight: float, round_: int) -> tuple[torch.Tensor, float]:
+        """What this member contributes: its update plus a stale one (``_with_stale``), nothing if not finite."""
         if not all_finite(delta):
             log.error("round %d: the local update is not finite (training diverged); contributing nothing", round_)
             delta, weight = torch.zeros_like(delta), 0.0
@@ -283,117 +309,127 @@ class Averager:
             delta = self._with_stale(delta, round_)
         if self.attack is not None and weight > 0:
             delta, weight = self.attack(delta, weight)  # after the finiteness check: a hostile node skips it
+        return delta, weight
+
+    async def _gather(
+        self, r: Round, weight: float, candidates: list[str], expected: set[str], gather_timeout: float
+    ) -> Group:
         own = self.deadline_s()
-        group = await self.matchmaker.form_group(
-            round_, weight, self.outer.digest(), candidates, expected, gather_timeout, own, self.deadline_factor * own
-        )
-        if group.size == 1:
-            self.round += 1
-            if expected - {self.me} or not self.solo:
-                # Others are live (or were, last round) but no group took me: applying my update alone would
-                # silently fork theta_g. Keep theta_g as it is and catch up from a peer before the next round.
-                self.needs_catch_up = True
-                if weight > 0:
-                    self.stale, self.stale_round = delta.clone(), round_
-                log.warning("round %d: no group formed although peers are live; will catch up from them", round_)
-                return RoundOutcome(round_, group, "diverged", self.outer.digest(), 0.0, [], loop.time() - started)
-            self.outer.step(delta)
-            return RoundOutcome(round_, group, "applied", self.outer.digest(), 1.0, [], loop.time() - started)
-        exchange_started = loop.time()
-        phases = {"group_s": exchange_started - started}
-        budget = self.budget_s(group)
+        return await self.matchmaker.form_group(
+            r.number, weight, self.outer.digest(), candidates, expected, gather_timeout, own,
+            self.deadline_factor * own,
+        )  # fmt: skip
+
+    def _round_of_one(
+        self, r: Round, group: Group, delta: torch.Tensor, weight: float, others_expected: bool
+    ) -> RoundOutcome:
+        """No one averaged with me: apply my update if I am alone in the swarm (``alone_applies``); otherwise keep
+        theta_g as it is, keep my update for a later round and catch up from a peer before the next one."""
+        self.round += 1
+        r.enter(Step.DONE)
+        if not alone_applies(others_expected, self.lifecycle.solo):
+            self.lifecycle.advance(Event.NO_GROUP)
+            if weight > 0:
+                self.lifecycle.stale = Stale(delta.clone(), r.number)
+            log.warning("round %d: no group formed although peers are live; will catch up from them", r.number)
+            return RoundOutcome(r.number, group, "diverged", self.outer.digest(), 0.0, [], _now() - r.started)
+        self.outer.step(delta)
+        self.lifecycle.advance(Event.APPLIED_ALONE)
+        return RoundOutcome(r.number, group, "applied", self.outer.digest(), 1.0, [], _now() - r.started)
+
+    def _open_exchange(self, r: Round, group: Group, delta: torch.Tensor) -> GroupExchange:
+        """The update's exchange, taking messages from now on: a member still in the state exchange (up to one
+        budget behind) must not turn away peers that already send their updates."""
+        r.exchange_started = _now()
+        r.phases["group_s"] = r.exchange_started - r.started
+        r.budget = self.budget_s(group)
         # One bound for the whole exchange (see ``budget_s``): a mixed round's update gets what the state exchange
         # left of two budgets, not a fresh one.
-        deadline = exchange_started + budget * (2 if group.mixed else 1)
-        spread, mixes, heard = None, False, True
-        # The update's exchange takes messages from now on: a member still in the state exchange (up to one budget
-        # behind) must not turn away peers that already send their updates.
-        allreduce = self._allreduce(group, delta, deadline, fault=self._fault_hook(round_), residual=self.residual)
-        if group.mixed:
-            # Gossip: members come from different groups of the last round, so their theta_g differ. Average
-            # theta_g and the momentum first (lossless fp32), then the update as usual.
-            state = torch.cat([self.outer.theta, self.outer.buf])
-            mixing = self._allreduce(group, state, exchange_started + budget, codec=get_codec("fp32"), tag="/state")
-            try:
-                mixed = await self._run(mixing)
-            except BaseException:
-                self._forget(allreduce)
-                raise
-            finally:
-                self._forget(mixing)
-            phases["mix_s"] = loop.time() - exchange_started
-            numel = self.numel
-            # Whether to mix is the reports' agreed decision, the same on every member that decides at all: a
-            # member's own view of who died would split the group into mixers and keepers.
-            mixes = all(mixed.applied)
-            heard = len(mixing.view) >= 2
-            if mixes:
-                spread = float((self.outer.theta - mixed.average[:numel]).norm() / mixed.average[:numel].norm())
-                self.outer.theta.copy_(mixed.average[:numel])
-                self.outer.buf.copy_(mixed.average[numel:])
-        result = await self._run(allreduce)
-        self.matchmaker.bans.record(getattr(allreduce, "invalid", {}), round_)  # AllReduce and AllGather keep it
-        phases.update(result.phases)
-        self.outer.step(result.average)
-        digest = self.outer.digest()
-        # A gossip group that did not mix (the agreed decision) keeps the states its members came with: they
-        # differ by design, so nobody has to confirm mine. The digests are still exchanged: a member that decided
-        # alone (cut off from the reports) finds itself in the minority and resyncs.
-        identical = not group.mixed or mixes
-        confirm_started = loop.time()
+        deadline = r.exchange_started + r.budget * (2 if group.mixed else 1)
+        return self._allreduce(group, delta, deadline, fault=self._fault_hook(r.number), residual=self.residual)
+
+    async def _mix(self, r: Round, group: Group, update: GroupExchange) -> tuple[float | None, bool, bool]:
+        """Gossip: members come from different groups of the last round, so their theta_g differ. Average theta_g
+        and the momentum first (lossless fp32), then the update as usual. Returns the spread before mixing (None
+        when not mixed), whether the group mixed, and whether I heard anyone."""
+        r.enter(Step.MIX)
+        state = torch.cat([self.outer.theta, self.outer.buf])
+        mixing = self._allreduce(group, state, r.exchange_started + r.budget, codec=get_codec("fp32"), tag="/state")
         try:
-            digests = await allreduce.exchange_digests(digest, DIGEST_SHARE * budget)
+            mixed = await self._run(mixing)
+        except BaseException:
+            self._forget(update)
+            raise
         finally:
-            self._forget(allreduce)
-        phases["confirm_s"] = loop.time() - confirm_started
+            self._forget(mixing)
+        r.phases["mix_s"] = _now() - r.exchange_started
+        numel = self.numel
+        # Whether to mix is the reports' agreed decision, the same on every member that decides at all: a member's
+        # own view of who died would split the group into mixers and keepers.
+        mixes = all(mixed.applied)
+        heard = len(mixing.view) >= 2
+        spread = None
+        if mixes:
+            spread = float((self.outer.theta - mixed.average[:numel]).norm() / mixed.average[:numel].norm())
+            self.outer.theta.copy_(mixed.average[:numel])
+            self.outer.buf.copy_(mixed.average[numel:])
+        return spread, mixes, heard
+
+    async def _exchange(self, r: Round, update: GroupExchange) -> AllReduceResult:
+        """Average the update and apply the outer step with what the group agreed on."""
+        r.enter(Step.EXCHANGE)
+        result = await self._run(update)
+        self.matchmaker.bans.record(getattr(update, "invalid", {}), r.number)  # AllReduce and AllGather keep it
+        r.phases.update(result.phases)
+        self.outer.step(result.average)
+        return result
+
+    async def _digests(self, r: Round, update: GroupExchange, digest: str) -> dict[str, str]:
+        """Exchange the digest of my state after the step; returns the relayed view of digests."""
+        r.enter(Step.DIGEST)
+        confirm_started = _now()
+        try:
+            digests = await update.exchange_digests(digest, DIGEST_SHARE * r.budget)
+        finally:
+            self._forget(update)
+        r.phases["confirm_s"] = _now() - confirm_started
+        return digests
+
+    def _note_duration(self, result: AllReduceResult) -> None:
         if result.complete:
             # The next deadline follows what moving the payloads took, not time spent waiting on a member that
             # died or stalled: that wait is bounded by this deadline and would make the next one longer still.
             self._durations.append(result.phases.get("transfer_s", 0.0) + result.phases.get("report_s", 0.0))
-        outcome = "applied" if all(result.applied) and identical else "fallback"
-        # The vote counts the members in the relayed view of digests (those that got through the round), not the
-        # group's size: two identical survivors of four confirm each other. A state held by a strict majority of
-        # that view, by two members at least, is the group's.
-        agreed = digest_vote(digests)
-        votes = sum(1 for d in digests.values() if d == agreed)
-        majority = votes >= 2 and votes * 2 > len(digests)
-        # A member that heard no one's report decided alone: in a gossip round that did not mix nobody can
-        # confirm or refute its state, so it counts itself diverged rather than trust a decision nobody shared.
-        # Likewise a member that did not mix and holds the digests of half the group or fewer: the others may
-        # have mixed (their common digest would be a majority) without its hearing of it.
-        alone = len(allreduce.view) < 2 or not heard
-        unmixed = not identical and not majority and not alone and len(digests) * 2 > group.size
-        confirmed = (majority and digest == agreed) or unmixed
-        if majority and digest != agreed:
-            # In the minority: download the state the majority confirmed, verified against its digest, within
-            # one budget (the round's bound includes it).
-            holders = [p for p, d in digests.items() if d == agreed and p != self.me]
-            log.warning("round %d: my state digest is not the group's; resyncing", round_)
-            resync_started = loop.time()
+
+    async def _settle(self, r: Round, verdict: Verdict, digest: str) -> tuple[str, str]:
+        """Act on the verdict: resync when in the minority, move the node's phase. Returns the outcome and the
+        digest I hold now."""
+        outcome = verdict.outcome
+        if verdict.resync:
+            # In the minority: download the state the majority confirmed, verified against its digest, within one
+            # budget (the round's bound includes it).
+            r.enter(Step.RESYNC)
+            log.warning("round %d: my state digest is not the group's; resyncing", r.number)
+            resync_started = _now()
             try:
-                async with asyncio.timeout(budget):
-                    resynced = await self.fetch_state(holders, agreed, max_round=round_ + 1, timeout=budget)
+                async with asyncio.timeout(r.budget):
+                    resynced = await self.fetch_state(
+                        list(verdict.holders), verdict.agreed, max_round=r.number + 1, timeout=r.budget
+                    )
             except TimeoutError:
                 resynced = False
-            phases["resync_s"] = loop.time() - resync_started
+            r.phases["resync_s"] = _now() - resync_started
             outcome = "diverged-resynced" if resynced else "diverged"
-            self.needs_catch_up = not resynced
             digest = self.outer.digest()
-        elif not confirmed:
+        elif outcome == "diverged":
             # Nobody confirmed my digest (the group left me out, or I lost my links): I do not know the group's
-            # state, and a peer still inside the round would serve its state from before the step. Catch up
-            # before the next round from peers that announce a later round.
-            log.warning("round %d: no member confirmed my state digest; will catch up from the swarm", round_)
-            outcome = "diverged"
-            self.needs_catch_up = True
-        self.round = max(self.round, round_ + 1)  # a resync may have moved us further
-        self.solo = False
-        applied = sum(result.applied) / group.size
-        phases = {k: round(v, 4) for k, v in phases.items()}
-        return RoundOutcome(
-            round_, group, outcome, digest, applied, result.excluded, loop.time() - started, spread, phases,
-            decisions=tuple(result.applied), mixed=mixes, alone=alone,
-        )  # fmt: skip
+            # state, and a peer still inside the round would serve its state from before the step. Catch up before
+            # the next round from peers that announce a later round.
+            log.warning("round %d: no member confirmed my state digest; will catch up from the swarm", r.number)
+        self.round = max(self.round, r.number + 1)  # a resync may have moved us further
+        event = {"diverged-resynced": Event.RESYNCED, "diverged": Event.UNCONFIRMED}.get(outcome, Event.CONFIRMED)
+        self.lifecycle.advance(event)
+        return outcome, digest
 
     def budget_s(self, group: Group) -> float:
         """The budget D of one payload exchange in ``group``: the leader's, so that every member runs the same
@@ -406,24 +442,19 @@ class Averager:
         own = self.deadline_s()
         return min(group.deadline_s or own, self.deadline_factor * own)
 
-    def go_solo(self) -> None:
-        """No peer to catch up from: this node is alone in the swarm and trains on by itself."""
-        self.needs_catch_up = False
-        self.solo = True
-
     def _with_stale(self, delta: torch.Tensor, round_: int) -> torch.Tensor:
-        """``delta`` plus the update that missed round ``stale_round``, scaled by 1 / (1 + rounds late).
+        """``delta`` plus the update that missed round ``stale.round``, scaled by 1 / (1 + rounds late).
 
         The staleness rule for slow or cut-off nodes: a pseudo-gradient computed from an older theta_g still
         points downhill, but less reliably the older it is, so it is damped rather than dropped or applied whole.
         """
-        if self.stale is None:
+        stale = self.lifecycle.stale
+        if stale is None:
             return delta
-        late = max(1, round_ - self.stale_round)
-        log.info("round %d: adding my update from round %d at weight 1/%d", round_, self.stale_round, 1 + late)
-        delta = delta + self.stale / (1 + late)
-        self.stale = None
-        return delta
+        late = max(1, round_ - stale.round)
+        log.info("round %d: adding my update from round %d at weight 1/%d", round_, stale.round, 1 + late)
+        self.lifecycle.stale = None
+        return delta + stale.update / (1 + late)
 
     def _allreduce(
         self,

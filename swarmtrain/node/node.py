@@ -25,7 +25,7 @@ from hivemind.dht.validation import CompositeValidator
 from hivemind.p2p import P2P
 from hivemind.utils.crypto import RSAPrivateKey
 
-from swarmtrain.averaging import PROTOCOL_VERSION, Averager, RoundOutcome, leader_candidates
+from swarmtrain.averaging import PROTOCOL_VERSION, Averager, Event, Phase, RoundOutcome, leader_candidates
 from swarmtrain.averaging.attack import Attack
 from swarmtrain.averaging.robust import parse_aggregator
 from swarmtrain.compression import get_codec
@@ -110,8 +110,9 @@ class Node:
         self.run_dir = Path(config.run_dir)
         self.metrics_path = self.run_dir / "metrics.jsonl"
         self.numel = 0
-        self.observe = False  # sit out the training of the round we just caught up into
-        self.leaving = False  # Ctrl+C: contribute what this round has, finish it, then leave
+        # Ctrl+C: contribute what this round has, finish it, then leave (the request; the node's phase turns
+        # LEAVING when it stops taking rounds, see ``Lifecycle``).
+        self.leaving = False
         self._trainer: InnerLoop | None = None
         self._averager: Averager | None = None
         self._last_group: tuple[str, ...] = ()  # the members of my last round with others
@@ -320,14 +321,14 @@ class Node:
                 # No one is ahead, and peers that are catching up too hold my state (we were cut off together):
                 # there is nothing to fetch; train on with them.
                 log.info("no peer is ahead; peers catching up hold my state (round %d): training on", mine[0])
-                averager.needs_catch_up = False
+                averager.lifecycle.advance(Event.FOUND_IN_STEP)
                 return
             if ahead:
                 # The round and digest most peers hold, not the highest claim: one peer cannot drag us forward.
                 (target, digest), _ = Counter((r.round, r.digest) for r in ahead).most_common(1)[0]
                 if (target, digest) == mine:
                     log.info("in step with the swarm at round %d (digest %s)", target, digest[:8])
-                    averager.needs_catch_up = False
+                    averager.lifecycle.advance(Event.FOUND_IN_STEP)
                     return
                 # Peers averaging a round publish its start state, which their group is about to replace: a node
                 # that downloads it could not sit in on that round any more. Take the state of peers that train
@@ -349,11 +350,11 @@ class Node:
                 if await averager.fetch_state(donors, digest, max_round=target):
                     log.info("caught up with the swarm at round %d (digest %s)", averager.round, digest[:8])
                     self._load_theta(trainer, averager)
-                    self.observe = True
+                    averager.lifecycle.advance(Event.SYNCED)  # sits in on the round it caught up into
                     return
             if time.monotonic() > deadline:
                 log.warning("could not catch up with the swarm; training on from my own state")
-                averager.go_solo()
+                averager.lifecycle.advance(Event.NO_DONOR)
                 return
             await asyncio.sleep(self.config.node.heartbeat_s)
             await membership.refresh()
@@ -395,14 +396,13 @@ class Node:
                 config.train.max_time is not None and time.perf_counter() - started > config.train.max_time
             ):
                 break
-            if averager.needs_catch_up:
+            if averager.lifecycle.phase is Phase.CATCH_UP:
                 await self._catch_up(averager, membership, trainer, wait_s=max(30.0, 4 * last_inner))
             membership.update(round=averager.round, phase="training")
-            observing = self.observe
+            observing = averager.lifecycle.phase is Phase.OBSERVE
             if observing:
                 # Just synced while the others train this round: join its group at once as an observer
                 # (weight 0, no update) and receive its average, so from the next round on we are in step.
-                self.observe = False
                 loss, tokens = float("nan"), 0
                 self.status.set(NodeState.OBSERVING, f"sitting in on round {averager.round} with weight 0")
             else:
@@ -421,7 +421,7 @@ class Node:
             sent, received = transport.counter.sent, transport.counter.received
             delta = averager.outer.theta - trainer.vector()
             live = list(membership.view)
-            if len(live) == 1 and not averager.solo:
+            if len(live) == 1 and not averager.lifecycle.solo:
                 # A lookup that shows no one else (the DHT under load, or stalled by a frozen peer) is not news
                 # that everyone left: meet last round's group; the ones that are gone are found by ping.
                 live = [p for p in self._last_group if p not in membership.left] or live
@@ -437,7 +437,7 @@ class Node:
                 log.error("round %d failed (%r); catching up from the swarm before the next one", averager.round, exc)
                 self.status.set(NodeState.LEFT_OUT, f"round {averager.round} failed ({exc}); catching up")
                 averager.round += 1
-                averager.needs_catch_up = True
+                averager.lifecycle.advance(Event.FAILED)
                 continue
             self._load_theta(trainer, averager)
             bans = ban_table(averager.matchmaker.bans.active(averager.round))  # for `swarmtrain status`
@@ -473,6 +473,7 @@ class Node:
         if not self.leaving:
             await self._finish(trainer, averager, membership, last_inner)
         else:
+            averager.lifecycle.advance(Event.LEAVE)
             self.status.set(NodeState.LEAVING, f"left after round {averager.round - 1}")
         bpb = await asyncio.to_thread(trainer.evaluate)
         self._append({"kind": "final", "peer_id": averager.me, "round": averager.round, "bpb": bpb,
@@ -486,8 +487,9 @@ class Node:
         a node in step serves its final state a while longer to peers that are not (bounded: ``node.record_ttl_s``
         past the last sight of a dead one, a few all-reduce deadlines for a live one).
         """
-        if averager.needs_catch_up:
+        if averager.lifecycle.phase is Phase.CATCH_UP:
             await self._catch_up(averager, membership, trainer, wait_s=max(30.0, 4 * last_inner))
+        averager.lifecycle.advance(Event.FINISH)
         mine = (averager.round, averager.outer.digest())
         membership.update(round=mine[0], digest=mine[1], phase="done")
         self.status.set(NodeState.DONE, f"finished {mine[0]} rounds; serving the final state to peers behind")
