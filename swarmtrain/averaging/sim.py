@@ -13,8 +13,9 @@ are caught by the digest vote (the minority resyncs), not prevented. After every
 (b) every member leaves the round within its bound (``Averager.budget_s``);
 (c) no member that confirmed the round applied a slot (shard or payload) another one fell back on;
 (d) with a dense codec and no momentum, theta_g is unchanged where the round fell back (and with fp32 the member's
-    residual holds all it contributed there), and with fp32 and the plain mean it is the token-weighted average of
-    a set of contributions where it applied.
+    residual holds all it contributed there), and with fp32 and the plain mean, part by part where it applied,
+    each survivor's residual holds nothing (its contribution was included) or all of it (left out: nothing lost,
+    nothing twice), and theta_g moved by the token-weighted average of the included contributions.
 
 Each seed also draws the group's aggregator (``robust``), so (a)-(c) hold for the robust ones too.
 
@@ -193,20 +194,17 @@ class Member:
     out: bool = False  # diverged: it would catch up from the swarm before its next round
 
 
+def _contribution(averager: Averager, delta: torch.Tensor, weight: float) -> torch.Tensor:
+    """What a member contributes with ``delta``: plus the update that missed an earlier round (the staleness rule:
+    at 1 / (1 + rounds late)), which its next round adds."""
+    stale = averager.lifecycle.stale
+    if weight <= 0 or stale is None:
+        return delta
+    return delta + stale.update / (1 + max(1, averager.round - stale.round))
+
+
 def _residual(averager: Averager) -> torch.Tensor:
     return averager.residual if averager.residual is not None else torch.zeros_like(averager.outer.theta)
-
-
-def _subset_average(deltas: list[torch.Tensor], weights: list[float], target: torch.Tensor) -> bool:
-    """Whether ``target`` is the token-weighted average of some set of the contributions (fp32: exact sums)."""
-    contributors = [i for i, w in enumerate(weights) if w > 0]
-    for size in range(len(contributors), 0, -1):  # largest first: usually everyone's contribution is in
-        for subset in itertools.combinations(contributors, size):
-            total = sum(weights[i] for i in subset)
-            average = sum(deltas[i] * (weights[i] / total) for i in subset)
-            if torch.allclose(average, target, rtol=1e-5, atol=1e-6):
-                return True
-    return False
 
 
 async def simulate(seed: int, rounds: int = 2) -> list[str]:
@@ -250,6 +248,7 @@ async def simulate(seed: int, rounds: int = 2) -> list[str]:
         weights = [rng.choice([0.0, 1.0, 2.0, 5.0, 100.0]) for _ in live]
         deltas = [torch.randn(numel) for _ in live]
         before = [(m.averager.outer.theta.clone(), _residual(m.averager).clone()) for m in live]
+        contributed = [_contribution(m.averager, d, w) for m, d, w in zip(live, deltas, weights, strict=True)]
         own = [m.averager.deadline_s() for m in live]
         faults.new_round(draw_faults(rng, peers, 3.0))
         runs = [
@@ -261,7 +260,7 @@ async def simulate(seed: int, rounds: int = 2) -> list[str]:
         for m in live:
             m.alive = m.averager.me not in net.dead
         found = _check(
-            live, outcomes, weights, deltas, before, own, codec, momentum, set(faults.frozen), aggregator.plain
+            live, outcomes, weights, contributed, before, own, codec, momentum, set(faults.frozen), aggregator.plain
         )
         violations += [f"{context}: {v}" for v in found]
         for m, o in zip(live, outcomes, strict=True):
@@ -323,30 +322,83 @@ def _check(
     for group_id, digests in by_group.items():
         if len(digests) > 1:
             found.append(f"(a) group {group_id} holds {len(digests)} different states after the round")
-    # (d) the applied bytes: plain rounds, dense codecs, no momentum
+    # (d) the applied bytes, dense codecs: theta_g where the round fell back (plain rounds, no momentum); with fp32
+    # the residuals, part by part (any round, aggregator or momentum), and the average (plain mean as well)
     dense = not get_codec(codec).sparse
     for i, m, o in confirmed:
-        if o.group.mixed or not dense or momentum:
+        if not dense:
             continue
+        plain = not o.group.mixed and not momentum
         theta = m.averager.outer.theta
         order = [next(j for j, mm in enumerate(live) if mm.averager.me == p) for p in o.group.members]
         for j, (s, e) in enumerate(o.group.shard_bounds(theta.numel())):
-            change = before[i][0][s:e] - theta[s:e]
             if not o.decisions[j]:
-                if not torch.equal(theta[s:e], before[i][0][s:e]):
+                if plain and not torch.equal(theta[s:e], before[i][0][s:e]):
                     found.append(f"(d) {m.averager.me}: shard {j} fell back but theta_g changed there")
                 owed = before[i][1][s:e] + (deltas[i][s:e] if weights[i] > 0 else 0)
                 if codec == "fp32" and not torch.allclose(_residual(m.averager)[s:e], owed, rtol=1e-5, atol=1e-6):
                     found.append(f"(d) {m.averager.me}: shard {j} fell back but its residual lost or doubled it")
-            elif (
-                codec == "fp32"
-                and plain_mean
-                and not _subset_average(
-                    [deltas[k][s:e] + before[k][1][s:e] for k in order], [weights[k] for k in order], change
+            elif codec == "fp32":
+                knows = {k for k, _, _ in confirmed}
+                found += _check_applied(
+                    live, m, j, (s, e), order, weights, deltas, before, before[i][0], knows, plain and plain_mean
                 )
-            ):
-                found.append(f"(d) {m.averager.me}: shard {j} is not a weighted average of contributions")
     return found
+
+
+def _check_applied(
+    live: list[Member],
+    m: Member,
+    j: int,
+    bounds: tuple[int, int],
+    order: list[int],
+    weights: list[float],
+    deltas: list[torch.Tensor],
+    before: list[tuple[torch.Tensor, torch.Tensor]],
+    theta_before: torch.Tensor,
+    knows: set[int],
+    average: bool,
+) -> list[str]:
+    """(d) for an applied shard with fp32, part by part: the residual of each contributor that confirmed the round
+    (``knows``) holds nothing (its part was included) or all it contributed (left out: nothing lost, nothing
+    twice); with ``average`` (plain mean, plain round, no momentum) theta_g moved by the token-weighted average of
+    the included contributions (one that died or did not confirm the round may or may not be in)."""
+    found = []
+    theta = m.averager.outer.theta
+    start, end = bounds
+    for ps in range(start, end, m.averager.part_numel):
+        pe = min(ps + m.averager.part_numel, end)
+        owed = {k: deltas[k][ps:pe] + before[k][1][ps:pe] for k in order if weights[k] > 0}
+        included, maybe = [], []
+        for k, contribution in owed.items():
+            if k not in knows:  # died, or did not confirm the round: it cannot know whether its part was applied
+                maybe.append(k)
+                continue
+            left = _residual(live[k].averager)[ps:pe]
+            if torch.allclose(left, torch.zeros_like(left), atol=1e-6):
+                included.append(k)
+            elif not torch.allclose(left, contribution, rtol=1e-5, atol=1e-6):
+                found.append(f"(d) {live[k].averager.me}: its residual at [{ps}:{pe}] of applied shard {j} is "
+                             "neither empty nor all it contributed there")  # fmt: skip
+        if not average:
+            continue
+        change = theta_before[ps:pe] - theta[ps:pe]
+        fits = any(
+            _weighted(owed, weights, [*included, *extra], change)
+            for size in range(len(maybe), -1, -1)
+            for extra in itertools.combinations(maybe, size)
+        )
+        if not fits:
+            found.append(f"(d) {m.averager.me}: [{ps}:{pe}] of shard {j} is not the average of what was included")
+    return found
+
+
+def _weighted(owed: dict[int, torch.Tensor], weights: list[float], members: list[int], change: torch.Tensor) -> bool:
+    if not members:
+        return False
+    total = sum(weights[k] for k in members)
+    average = sum(owed[k] * (weights[k] / total) for k in members)
+    return torch.allclose(average, change, rtol=1e-5, atol=1e-6)
 
 
 def run_seed(seed: int, rounds: int = 2, quiet: bool = True) -> list[str]:
