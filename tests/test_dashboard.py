@@ -47,6 +47,15 @@ class Page(HTMLParser):
         self.rows: dict[str, dict[str, str]] = {}
         self.curves: dict[str, list[tuple[int, float]]] = {}
         self.loaded_round: int | None = None
+        self.texts: dict[str, str] = {}  # id -> text of the elements whose text the test reads
+        self._open: str | None = None
+
+    def handle_data(self, data: str) -> None:
+        if self._open is not None:
+            self.texts[self._open] = self.texts.get(self._open, "") + data
+
+    def handle_endtag(self, tag: str) -> None:
+        self._open = None
 
     def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
         a = {k: v or "" for k, v in attrs}
@@ -55,6 +64,8 @@ class Page(HTMLParser):
         if tag == "polyline" and a.get("data-rounds"):
             rounds, values = a["data-rounds"].split(","), a["data-values"].split(",")
             self.curves[a["id"]] = [(int(r), float(v)) for r, v in zip(rounds, values, strict=True)]
+        if a.get("id") in ("utilisation", "utilisation-all"):
+            self._open = a["id"]
         if tag == "body" and "data-loaded-round" in a:
             self.loaded_round = int(a["data-loaded-round"])
 
@@ -109,6 +120,11 @@ async def test_the_dashboard_of_a_live_swarm_shows_its_peers_states_and_loss(tmp
         lines = [line for line in _rounds(tmp_path / "a") if line["round"] < page.loaded_round]
         assert page.curves["loss-curve"] == [(line["round"], pytest.approx(line["loss"])) for line in lines]
         assert page.curves["bpb-curve"] == [(line["round"], pytest.approx(line["bpb"])) for line in lines]
+        # Compute utilisation: the last round's, and inner steps over wall time of all rounds.
+        percent = {key: float(text.removesuffix(" %")) for key, text in page.texts.items()}
+        assert percent["utilisation"] == pytest.approx(100 * lines[-1]["utilisation"], abs=0.051), page.texts
+        overall = sum(line["inner_s"] for line in lines) / sum(line["wall_s"] for line in lines)
+        assert percent["utilisation-all"] == pytest.approx(100 * overall, abs=0.051), page.texts
         shares = {peer: float(row["data-share"]) for peer, row in page.rows.items()}
         assert sum(shares.values()) == pytest.approx(1.0, abs=1e-4) and all(s > 0 for s in shares.values())
         screenshot = Path(os.environ.get("DASHBOARD_SCREENSHOT", tmp_path / "dashboard.png")).absolute()

@@ -72,7 +72,7 @@ def _line(round_: int, loss: float, sent: int, outcome: str = "applied") -> dict
     return {
         "round": round_, "loss": loss, "tokens": 100 * (round_ + 1), "tokens_per_s": 50.0 + round_, "group_size": 2,
         "group": ["a", "b"], "duration_s": 0.25, "bytes_sent": sent, "bytes_received": 2 * sent, "outcome": outcome,
-        "bpb": 3.5 - round_,
+        "bpb": 3.5 - round_, "inner_s": 0.75, "wall_s": 1.0 + round_, "utilisation": round(0.75 / (1.0 + round_), 4),
     }  # fmt: skip
 
 
@@ -100,6 +100,7 @@ def check_metrics_match(samples: dict[str, float], lines: list[dict[str, Any]]) 
     assert samples["swarmtrain_loss"] == pytest.approx(last["loss"])
     assert samples["swarmtrain_tokens_per_second"] == pytest.approx(last["tokens_per_s"])
     assert samples["swarmtrain_group_size"] == last["group_size"]
+    assert samples["swarmtrain_utilisation"] == pytest.approx(last["utilisation"])
     assert samples["swarmtrain_tokens_total"] == sum(line["tokens"] for line in lines)
     assert samples["swarmtrain_bytes_sent_total"] == sum(line["bytes_sent"] for line in lines)
     assert samples["swarmtrain_bytes_received_total"] == sum(line["bytes_received"] for line in lines)
@@ -133,6 +134,7 @@ def test_the_endpoint_serves_what_the_node_recorded() -> None:
         assert body["round"] == 3 and body["contributing"] is False
         assert [o["outcome"] for o in body["last_outcomes"]] == ["applied", "fallback", "applied"]
         assert body["bytes_sent"] == 3700 and [h["loss"] for h in body["history"]] == [5.0, 4.0, 3.0]
+        assert [h["utilisation"] for h in body["history"]] == [0.75, 0.375, 0.25]
         assert body["events"][-1]["state"] == "catching_up"
         with pytest.raises(urllib.error.HTTPError) as missing:
             urllib.request.urlopen(server.url + "/nope", timeout=10)
@@ -202,6 +204,11 @@ async def test_two_nodes_serve_status_and_metrics_that_match_their_metrics_file(
                 break
         check_metrics_match(samples, lines)
         assert lines[-1]["group_size"] == 2 and samples["swarmtrain_bytes_sent_total"] > 0
+        # Utilisation: each round's inner steps over the wall time since the round line before it.
+        for before, line in zip(lines, lines[1:], strict=False):
+            assert line["wall_s"] == pytest.approx(line["elapsed_s"] - before["elapsed_s"], abs=2e-3), line
+            assert 0 < line["utilisation"] <= 1
+            assert line["utilisation"] == pytest.approx(line["inner_s"] / line["wall_s"], abs=1e-3), line
         last, state = lines[-1]["round"], (lines[-1]["state"], lines[-1]["state_reason"])
         assert state == ("averaging", f"round {last}: applied in a group of 2")
         # Between two round lines the node trains the next round, or has just started its outer step.

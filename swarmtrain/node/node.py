@@ -390,6 +390,7 @@ class Node:
     async def _train(self, trainer: InnerLoop, averager: Averager, membership: Membership, transport: Any) -> None:
         config, node = self.config, self.config.node
         started = time.perf_counter()
+        self._logged_at = 0.0  # seconds after ``started`` of the last round line (``_log_round``)
         last_inner = 0.0
         while node.rounds == 0 or averager.round < node.rounds:
             if self.leaving or (
@@ -532,6 +533,8 @@ class Node:
     ) -> None:  # fmt: skip
         group = outcome.group
         mine = dict(zip(group.members, group.weights, strict=True)).get(transport.peer_id, 0.0)
+        elapsed = time.perf_counter() - started
+        wall, self._logged_at = elapsed - self._logged_at, elapsed  # since the last round line (or the start)
         record = {
             "kind": "round",
             "round": outcome.round,
@@ -545,7 +548,9 @@ class Node:
             "tokens": tokens,
             "device": device,
             "tokens_per_s": round(tokens_per_s, 1),
-            "inner_s": round(inner_s, 4),  # seconds of inner steps this round (compute utilisation)
+            "inner_s": round(inner_s, 4),  # seconds of inner steps this round
+            "wall_s": round(wall, 4),  # wall time since the last round line: inner steps, averaging, catching up
+            "utilisation": round(min(inner_s / wall, 1.0), 4) if wall > 0 else 0.0,  # share of it spent training
             "token_share": round(mine / sum(group.weights), 6) if sum(group.weights) > 0 else 0.0,
             "bytes_sent": transport.counter.sent - sent,
             "bytes_received": transport.counter.received - received,
@@ -555,7 +560,7 @@ class Node:
             "outcome": outcome.outcome,
             "applied_fraction": outcome.applied_fraction,
             "excluded": outcome.excluded,
-            "elapsed_s": round(time.perf_counter() - started, 3),
+            "elapsed_s": round(elapsed, 3),
             "state": str(self.status.state),
             "state_reason": self.status.reason,
         }

@@ -47,6 +47,9 @@ class NodeMetrics:
         self.tokens_per_s = Gauge("swarmtrain_tokens_per_second", "Inner-step tokens/s of the last round.", registry=r)
         self.group_size = Gauge("swarmtrain_group_size", "Members of the last round's group.", registry=r)
         self.duration = Gauge("swarmtrain_round_duration_seconds", "Wall time of the last outer step.", registry=r)
+        self.utilisation = Gauge(
+            "swarmtrain_utilisation", "Share of the last round's wall time spent in inner steps.", registry=r
+        )
         self.peers = Gauge("swarmtrain_peers", "Peers in this node's view of the swarm (itself included).", registry=r)
         self.tokens = Counter("swarmtrain_tokens", "Tokens this node trained on and contributed.", registry=r)
         self.sent = Counter("swarmtrain_bytes_sent", "Bytes this node sent in its outer steps.", registry=r)
@@ -69,6 +72,7 @@ class NodeMetrics:
         self.tokens_per_s.set(line["tokens_per_s"])
         self.group_size.set(line["group_size"])
         self.duration.set(line["duration_s"])
+        self.utilisation.set(line["utilisation"])
         self.peers.set(peers)
         self.tokens.inc(line["tokens"])
         self.sent.inc(line["bytes_sent"])

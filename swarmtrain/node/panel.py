@@ -69,7 +69,10 @@ def render(snapshot: dict[str, Any], now: float | None = None) -> RenderableType
     quality = f"loss {losses[-1]:.3f}" if losses else "loss -"
     quality += f"   held-out bpb {bpbs[-1][1]:.3f} (round {bpbs[-1][0]})" if bpbs else ""
     grid.add_row("quality", quality)
-    grid.add_row("speed", f"{snapshot['tokens_per_s']:,.0f} tokens/s")
+    speed = f"{snapshot['tokens_per_s']:,.0f} tokens/s"
+    if last.get("utilisation") is not None:
+        speed += f", {last['utilisation']:.0%} of the last round's wall time in inner steps"
+    grid.add_row("speed", speed)
     grid.add_row(
         "bytes",
         f"sent {size(last.get('bytes_sent') or 0)} last round, {size(snapshot['bytes_sent'])} in all; "

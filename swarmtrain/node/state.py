@@ -45,6 +45,18 @@ class NodeState(StrEnum):
 
 
 CONTRIBUTING = frozenset({NodeState.TRAINING, NodeState.AVERAGING})
+HISTORY_KEYS = (  # per round in /status
+    "round",
+    "loss",
+    "bpb",
+    "tokens",
+    "bytes_sent",
+    "elapsed_s",
+    "inner_s",
+    "wall_s",
+    "utilisation",
+    "state",
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -143,10 +155,7 @@ class NodeStatus:
                 "bytes_sent": sum(r.get("bytes_sent", 0) for r in rounds),
                 "bytes_received": sum(r.get("bytes_received", 0) for r in rounds),
                 "tokens_per_s": rounds[-1].get("tokens_per_s", 0.0) if rounds else 0.0,
-                "history": [
-                    {k: r.get(k) for k in ("round", "loss", "bpb", "tokens", "bytes_sent", "elapsed_s", "state")}
-                    for r in rounds
-                ],
+                "history": [{k: r.get(k) for k in HISTORY_KEYS} for r in rounds],
                 "contributed": _contributed(rounds),
                 "events": list(self.events),
             }
