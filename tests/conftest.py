@@ -3,10 +3,11 @@ from __future__ import annotations
 import multiprocessing as mp
 import random
 import signal
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
+from hivemind.p2p import P2P
 
 from swarmtrain.config import Config, load_config
 from swarmtrain.localtrain.shm import leftover_segments, new_prefix, sweep
@@ -97,3 +98,15 @@ def prefix() -> Iterator[str]:
     yield name
     assert leftover_segments(name) == []
     sweep(name)
+
+
+@pytest.fixture
+async def pair() -> AsyncIterator[tuple[P2P, P2P]]:
+    """Two p2p daemons on loopback, the second bootstrapped from the first."""
+    a = await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    b = await P2P.create(initial_peers=await a.get_visible_maddrs(), host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    try:
+        yield a, b
+    finally:
+        await b.shutdown()
+        await a.shutdown()

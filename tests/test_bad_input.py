@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import struct
-from collections.abc import AsyncIterator
 
 import msgpack
 import pytest
@@ -23,17 +22,6 @@ from swarmtrain.net import P2PTransport, PeerUnreachable, RemoteError
 
 NUMEL = 4096
 HEADER = {"run": "test", "v": PROTOCOL_VERSION}
-
-
-@pytest.fixture
-async def pair() -> AsyncIterator[tuple[P2P, P2P]]:
-    a = await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"])
-    b = await P2P.create(initial_peers=await a.get_visible_maddrs(), host_maddrs=["/ip4/127.0.0.1/tcp/0"])
-    try:
-        yield a, b
-    finally:
-        await b.shutdown()
-        await a.shutdown()
 
 
 def make_averager(p2p: P2P, codec: str = "fp16") -> Averager:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
 
 import pytest
 from hivemind.p2p import P2P
@@ -77,17 +76,6 @@ async def test_the_answers_of_several_peers_make_one_verdict_with_the_fix() -> N
     assert not check.ok
     assert check.detail == f"not reachable at {HOME}: misses01, misses02 could not dial this node back"
     assert "--announce" in check.fix and "node.use_auto_relay=true" in check.fix
-
-
-@pytest.fixture
-async def pair() -> AsyncIterator[tuple[P2P, P2P]]:
-    a = await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"])
-    b = await P2P.create(initial_peers=await a.get_visible_maddrs(), host_maddrs=["/ip4/127.0.0.1/tcp/0"])
-    try:
-        yield a, b
-    finally:
-        await b.shutdown()
-        await a.shutdown()
 
 
 async def test_over_p2p_a_peer_reaches_the_caller_at_its_address_and_not_at_a_wrong_port(pair) -> None:
