@@ -233,3 +233,32 @@ async def test_a_part_its_reducer_left_out_of_a_shard_that_applied_goes_back_int
             owed[left_out] = deltas[1][left_out]
         assert a.residual is not None
         torch.testing.assert_close(a.residual, owed)
+
+
+async def test_a_member_cut_off_from_the_reports_sets_its_residual_to_the_groups_decision_once_it_asks() -> None:
+    """Nothing twice: peer2 sends its parts, then hears no report and no digest (its links to them break; it
+    stays live). Alone, it sees every shard fall back and keeps all it sent in its residual, while peer0 and
+    peer1 apply the round with peer2's update in it. Before its next round it asks them for the decision they
+    applied (``ledger``) and takes back out of its residual what the group did apply."""
+    net, averagers = make_swarm([torch.zeros(NUMEL) for _ in range(3)])
+    for a in averagers:
+        await a.start()
+
+    def cut_peer2(src: str, dst: str, method: str, header: dict) -> None:
+        if "peer2" in (src, dst) and method.split("#")[0] in ("report", "digest"):
+            raise PeerUnreachable(f"{method}: stream reset")
+
+    net.before_call = cut_peer2
+    deltas = [torch.randn(NUMEL) for _ in range(3)]
+    outcomes = await run_round(averagers, deltas, [1.0] * 3)
+    net.before_call = None
+    assert [o.outcome for o in outcomes] == ["applied", "applied", "diverged"], outcomes
+    torch.testing.assert_close(averagers[0].outer.theta, -sum(deltas) / 3)
+    cut = averagers[2]
+    assert cut.residual is not None and cut.unsettled is not None
+    torch.testing.assert_close(cut.residual, deltas[2])  # its own view: nothing applied
+    await cut.settle()
+    torch.testing.assert_close(cut.residual, torch.zeros(NUMEL))  # the group's: all of it applied, once
+    assert cut.unsettled is None
+    for a in averagers[:2]:
+        assert a.residual is not None and torch.count_nonzero(a.residual) == 0

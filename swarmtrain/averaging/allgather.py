@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from swarmtrain.averaging.exchange import MAX_ABS_VALUE, AllReduceResult, GroupExchange
+from swarmtrain.averaging.exchange import MAX_ABS_VALUE, AllReduceResult, GroupExchange, Unsettled
 from swarmtrain.averaging.group import Group
 from swarmtrain.averaging.robust import Aggregator
 from swarmtrain.compression import BaseCodec, CodecError, CodecState, get_codec, peek_header
@@ -186,6 +186,20 @@ class AllGather(GroupExchange):
             self.residual[seg.start : seg.end] = state.residual
             state.residual = self.residual[seg.start : seg.end]
         return frames
+
+    def unsettled(self, round_: int) -> Unsettled | None:
+        if not self._contributes(self.me) or self.residual is None or not self.payloads[self.me]:
+            return None
+        sent = torch.zeros_like(self.decoded)
+        if not self._decode_into(sent, self.payloads[self.me]):
+            return None
+
+        def returned(ledger: dict[str, Any]) -> torch.Tensor | None:
+            applied = self._check_applied(ledger)
+            return None if applied is None else torch.full_like(sent, not applied[self.index], dtype=torch.bool)
+
+        given_back = torch.full_like(sent, not self.applied[self.index], dtype=torch.bool)
+        return Unsettled(round_, self.group, sent, given_back, returned)
 
     async def _send_to(self, peer: str, frames: list[bytes]) -> None:
         async def stream() -> AsyncIterator[bytes]:

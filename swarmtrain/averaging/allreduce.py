@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from swarmtrain.averaging.exchange import MAX_ABS_VALUE, AllReduceResult, GroupExchange, wait_or_dead
+from swarmtrain.averaging.exchange import MAX_ABS_VALUE, AllReduceResult, GroupExchange, Unsettled, wait_or_dead
 from swarmtrain.averaging.group import Group
 from swarmtrain.averaging.robust import Aggregator
 from swarmtrain.compression import Codec, CodecError, CodecState
@@ -320,31 +320,68 @@ class AllReduce(GroupExchange):
             self.closed = True
             self.liveness.close()
 
+    def _encoded(self) -> torch.Tensor:
+        encoded = torch.zeros(self.delta.numel(), dtype=torch.bool)
+        for start, end in self.encoded:
+            encoded[start:end] = True
+        return encoded
+
+    def _returned(self, applied: list[bool], masks: list[list[int]], encoded: torch.Tensor) -> torch.Tensor:
+        """Where what I sent goes back into my residual under a decision (``applied`` per shard, and per applied
+        shard the members each part included): shards that fell back, and parts that left me out."""
+        back = torch.zeros_like(encoded)
+        mine = 1 << self.index
+        for j, ((start, end), ok) in enumerate(zip(self.bounds, applied, strict=True)):
+            for p, (s, e) in enumerate(self._parts(end - start)):
+                if not ok or p >= len(masks[j]) or not masks[j][p] & mine:
+                    back[start + s : start + e] = True
+        return back & encoded
+
+    def _masks(self) -> list[list[int]]:
+        return [[int.from_bytes(box.masks[p], "little") for p in sorted(box.masks)] for box in self.results]
+
     def _give_back(self, applied: list[bool]) -> None:
         """Return to the residual, once, what I contributed and the group did not apply: the parts of my update
         that were never encoded (a stream that broke first), what I sent to shards that fell back, and what I sent
         to a part its reducer left out (it arrived after the reduction) while the shard applied. Each reducer
         sends with every part the members it included (``_mask``), and the members' reports agree on it, so
-        every member knows the same. The next round sends it all again.
+        every member that confirms the round knows the same. The next round sends it all again.
         """
         if self.residual is None or self.sent is None or self.group.weights[self.index] <= 0:
             return
-        encoded = torch.zeros(self.delta.numel(), dtype=torch.bool)
-        for start, end in self.encoded:
-            encoded[start:end] = True
+        encoded = self._encoded()
         unsent = ~encoded
         self.residual[unsent] += self.delta[unsent]
-        mine = 1 << self.index
-        for j, ((start, end), ok) in enumerate(zip(self.bounds, applied, strict=True)):
-            parts = self._parts(end - start)
-            if ok:  # the parts that left me out
-                left_out = [p for p, m in self.results[j].masks.items() if not int.from_bytes(m, "little") & mine]
-            else:
-                left_out = list(range(len(parts)))
-            for p in left_out:
-                s, e = start + parts[p][0], start + parts[p][1]
-                mask = encoded[s:e]
-                self.residual[s:e][mask] += self.sent[s:e][mask]
+        back = self._returned(applied, self._masks(), encoded)
+        self.residual[back] += self.sent[back]
+
+    def ledger(self) -> dict[str, Any]:
+        masks = [[box.masks[p].hex() for p in sorted(box.masks)] if ok else [] for box, ok in zip(
+            self.results, self.applied, strict=True)]  # fmt: skip
+        return {"applied": list(self.applied), "masks": masks}
+
+    def unsettled(self, round_: int) -> Unsettled | None:
+        if self.residual is None or self.sent is None or self.group.weights[self.index] <= 0:
+            return None
+        encoded = self._encoded()
+        sent = torch.where(encoded, self.sent, 0.0)  # ``sent`` is a scratch buffer the next round reuses
+
+        def returned(ledger: dict[str, Any]) -> torch.Tensor | None:
+            applied, masks = self._check_applied(ledger), ledger.get("masks")
+            if applied is None or not isinstance(masks, list) or len(masks) != self.group.size:
+                return None
+            parsed = []
+            for (start, end), ok, shard in zip(self.bounds, applied, masks, strict=True):
+                wanted = len(self._parts(end - start)) if ok else 0
+                if not isinstance(shard, list) or len(shard) != wanted:
+                    return None
+                try:
+                    parsed.append([int.from_bytes(self._check_mask(bytes.fromhex(m)), "little") for m in shard])
+                except (TypeError, ValueError, Rejected):
+                    return None
+            return self._returned(applied, parsed, encoded)
+
+        return Unsettled(round_, self.group, sent, self._returned(self.applied, self._masks(), encoded), returned)
 
     async def _gather(self) -> None:
         for j, peer in enumerate(self.group.members):

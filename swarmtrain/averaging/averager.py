@@ -11,6 +11,7 @@ import asyncio
 import logging
 import os
 import signal
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -20,7 +21,7 @@ import torch
 from swarmtrain.averaging.allgather import AllGather, plan_segments
 from swarmtrain.averaging.allreduce import AllReduce
 from swarmtrain.averaging.bans import Bans
-from swarmtrain.averaging.exchange import AllReduceResult, GroupExchange
+from swarmtrain.averaging.exchange import AllReduceResult, GroupExchange, Unsettled
 from swarmtrain.averaging.group import Group
 from swarmtrain.averaging.matchmaking import Matchmaker
 from swarmtrain.averaging.outer import OuterOptimizer
@@ -28,15 +29,17 @@ from swarmtrain.averaging.robust import Aggregator
 from swarmtrain.averaging.round import Event, Lifecycle, Round, Stale, Step, Verdict, alone_applies, decide
 from swarmtrain.averaging.statesync import CHUNK_BYTES, SnapshotStore, download_state
 from swarmtrain.compression import BaseCodec, CodecState, all_finite, get_codec
-from swarmtrain.net import Handler, Rejected, StreamHandler, Transport
+from swarmtrain.net import Handler, Rejected, RpcError, StreamHandler, Transport
 
 log = logging.getLogger(__name__)
 
 # 2: sparse/low-rank all-gathered; 3: state in chunks; 4: relays, records signed by identity; 5: shards rotate
-# per round, a group runs one budget, bans.
+# per round, a group runs one budget, bans; 6: result parts name the members they include, "ledger".
 PROTOCOL_VERSION = 6
 _ROUTE_WAIT = 5.0  # a member may hear of its group a moment after a peer that already sends
 _SMALL = 1 << 16
+_LEDGERS = 8  # decisions of the last rounds this member confirmed, served to members that could not
+LEDGER_TIMEOUT = 5.0
 _MAX_ROUTES = 64
 _ROUTES_PER_PEER = 4  # groups one peer may announce before we claim them: a stranger cannot crowd out real ones
 DIGEST_SHARE = 0.1  # the least share of a budget the digest exchange gets, even when it starts late
@@ -125,6 +128,8 @@ class Averager:
         # Parts of the largest shard (mixing doubles it), or the segments of an all-gathered payload.
         self.max_frames = max(-(-theta.numel() * 2 // part_numel), len(self.segments)) + 1
         self.snapshots = SnapshotStore()  # the states this node serves to joiners (statesync)
+        self.ledgers: OrderedDict[str, dict[str, Any]] = OrderedDict()  # group id -> the decision I applied
+        self.unsettled: Unsettled | None = None  # my part in a round I could not confirm (``settle``)
         self.state_chunk = CHUNK_BYTES  # chunk size of our own downloads
 
     @property
@@ -148,6 +153,7 @@ class Averager:
         await self.transport.serve("digest", self._routed(lambda ar, s, h: ar.on_digest(s, h)), max_body=_SMALL)
         await self.transport.serve("join", self._on_join, max_body=_SMALL)
         await self.transport.serve("ping", self._on_ping, max_body=_SMALL)
+        await self.transport.serve("ledger", self._on_ledger, max_body=_SMALL)
         await self.transport.serve("state", self._on_state, max_body=_SMALL)
 
     def check_header(self, header: dict[str, Any]) -> None:
@@ -292,6 +298,7 @@ class Averager:
             self.me, digest, digests, result.applied, group.size, group.mixed, mixes, heard, len(update.view)
         )  # the view after the digests: they relay it too
         outcome, digest = await self._settle(r, verdict, digest)
+        self._remember(r.number, update, outcome)
         r.enter(Step.DONE)
         phases = {k: round(v, 4) for k, v in r.phases.items()}
         return RoundOutcome(
@@ -430,6 +437,61 @@ class Averager:
         event = {"diverged-resynced": Event.RESYNCED, "diverged": Event.UNCONFIRMED}.get(outcome, Event.CONFIRMED)
         self.lifecycle.advance(event)
         return outcome, digest
+
+    def _remember(self, round_: int, update: GroupExchange, outcome: str) -> None:
+        """Keep the decision of a round I confirmed, to serve to members that could not (``settle``); or, for a
+        round I could not confirm, what I must set right once I know the decision of those that did."""
+        if outcome in ("applied", "fallback"):
+            self.ledgers[update.group.group_id] = update.ledger()
+            while len(self.ledgers) > _LEDGERS:
+                self.ledgers.popitem(last=False)
+            self.unsettled = None
+        else:
+            self.unsettled = update.unsettled(round_)
+
+    async def settle(self, timeout: float = LEDGER_TIMEOUT) -> None:
+        """Nothing twice, nothing lost, for a member that could not confirm its last round (it heard no reports, or
+        its digest was in the minority): it put back into its residual what it sent to the slots it saw fall
+        back, but the group may have decided otherwise. Ask the other members for the decision they applied
+        (``ledger``); if those that answer agree, move what I sent into or out of my residual to match it.
+        Called before the next round (by the node after a catch-up, by the simulator).
+        """
+        pending, self.unsettled = self.unsettled, None
+        if pending is None or self.residual is None:
+            return
+        group_id = pending.group.group_id
+
+        async def ask(peer: str) -> torch.Tensor | None:
+            try:
+                answer, _ = await self.transport.call(
+                    peer, "ledger", {**self.header, "group": group_id}, timeout=timeout
+                )
+            except RpcError:
+                return None
+            return pending.returned(answer.get("ledger"))
+
+        others = [p for p in pending.group.members if p != self.me]
+        masks = [m for m in await asyncio.gather(*(ask(p) for p in others)) if m is not None]
+        if not masks:
+            log.info("round %d: no member told me its decision; my residual keeps my own view", pending.round)
+            return
+        if any(not torch.equal(m, masks[0]) for m in masks[1:]):
+            log.warning("round %d: members told me different decisions; my residual keeps my own view", pending.round)
+            return
+        change = masks[0].to(self.residual.dtype) - pending.given_back.to(self.residual.dtype)
+        if change.any():
+            self.residual.add_(pending.sent * change)
+            log.info(
+                "round %d: the group decided otherwise than I saw; %d values of my update moved %s my residual",
+                pending.round, int(change.abs().sum()), "into" if change.sum() > 0 else "out of",
+            )  # fmt: skip
+
+    async def _on_ledger(self, sender: str, header: dict[str, Any], body: bytes) -> tuple[dict[str, Any], bytes]:
+        self.check_header(header)
+        ledger = self.ledgers.get(header.get("group"))  # type: ignore[arg-type]
+        if ledger is None:
+            raise Rejected(f"no decision of group {header.get('group')!r} here", code="unknown")
+        return {"ledger": ledger}, b""
 
     def budget_s(self, group: Group) -> float:
         """The budget D of one payload exchange in ``group``: the leader's, so that every member runs the same

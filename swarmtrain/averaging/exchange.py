@@ -94,6 +94,18 @@ async def wait_or_dead(done: asyncio.Event, dead: asyncio.Event, deadline: float
 
 
 @dataclass
+class Unsettled:
+    """What a member that could not confirm its round sent, and what of it went back into its residual on its own
+    view of the round's decision, until the decision of the members that did confirm it is known (``settle``)."""
+
+    round: int
+    group: Group
+    sent: torch.Tensor  # what my payloads carried (zeros where nothing was sent)
+    given_back: torch.Tensor  # bool: where ``sent`` went back into my residual
+    returned: Callable[[dict[str, Any]], torch.Tensor | None]  # the same mask under a ledger (None: malformed)
+
+
+@dataclass
 class AllReduceResult:
     average: torch.Tensor
     applied: list[bool]
@@ -138,6 +150,7 @@ class GroupExchange(ABC):
         self.report_relays: dict[str, dict[str, list[str | None]]] = {}
         self.report_relays_in = {p: asyncio.Event() for p in group.members}
         self.view: dict[str, list[str | None]] = {}  # the merged reports the decision is made from
+        self.applied = [False] * group.size  # the decision, per slot, once ``_agree`` made it
         self.digests: dict[str, str] = {}
         self.digests_in = {p: asyncio.Event() for p in group.members}
         self.digest_relays: dict[str, dict[str, str]] = {}
@@ -178,6 +191,21 @@ class GroupExchange(ABC):
 
     async def on_results(self, sender: str, header: dict[str, Any], frames: AsyncIterator[bytes]) -> None:
         raise Rejected("this round takes no results")
+
+    def ledger(self) -> dict[str, Any]:
+        """The round's decision as this member applied it: served to members that could not confirm the round,
+        so that what they contributed goes back into their residuals exactly once (``Unsettled``)."""
+        return {"applied": list(self.applied)}
+
+    def unsettled(self, round_: int) -> Unsettled | None:
+        """What this member would have to set right once the group's decision is known; None if nothing."""
+        return None
+
+    def _check_applied(self, ledger: Any) -> list[bool] | None:
+        applied = ledger.get("applied") if isinstance(ledger, dict) else None
+        if not isinstance(applied, list) or len(applied) != self.group.size:
+            return None
+        return applied if all(isinstance(a, bool) for a in applied) else None
 
     @abstractmethod
     async def run(self) -> AllReduceResult:
@@ -278,10 +306,11 @@ class GroupExchange(ABC):
             (self.report_deadline, self.relay_deadline),
         )  # fmt: skip
         reports = list(self.view.values())
-        return [
+        self.applied = [
             len(reports) >= 2 and reports[0][j] is not None and all(rep[j] == reports[0][j] for rep in reports)
             for j in range(self.group.size)
         ]
+        return self.applied
 
     async def _stream(
         self, peer: str, method: str, header: dict[str, Any], frames: AsyncIterator[bytes], count: int, deadline: float

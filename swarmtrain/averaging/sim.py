@@ -247,6 +247,7 @@ async def simulate(seed: int, rounds: int = 2) -> list[str]:
         peers = [m.averager.me for m in live]
         weights = [rng.choice([0.0, 1.0, 2.0, 5.0, 100.0]) for _ in live]
         deltas = [torch.randn(numel) for _ in live]
+        await asyncio.gather(*(m.averager.settle() for m in live))  # a member that resynced asks the decision
         before = [(m.averager.outer.theta.clone(), _residual(m.averager).clone()) for m in live]
         contributed = [_contribution(m.averager, d, w) for m, d, w in zip(live, deltas, weights, strict=True)]
         own = [m.averager.deadline_s() for m in live]
