@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import itertools
 import logging
 import random
 import selectors
@@ -40,6 +39,7 @@ from typing import Any
 import torch
 
 from swarmtrain.averaging.averager import DIGEST_SHARE, Averager, RoundOutcome
+from swarmtrain.averaging.group import Group
 from swarmtrain.averaging.robust import KINDS as AGGREGATORS
 from swarmtrain.averaging.robust import parse_aggregator
 from swarmtrain.compression import get_codec
@@ -142,6 +142,10 @@ class Faults:
                 await self._wait_thawed((src, peer), timeout)
             if fault.kind == "reset":
                 raise PeerUnreachable(f"{method} to {peer}: stream reset")
+            if fault.kind == "cut":  # the stream breaks after some frames: the next one is made, and lost
+                await original(peer, method, header, _cut(frames, int(fault.seconds)), count=count, timeout=timeout,
+                               **bounds)  # fmt: skip
+                raise PeerUnreachable(f"{method} to {peer}: stream reset after {int(fault.seconds)} frames")
             if fault.kind in ("delay", "late-delay"):  # the link is slow: the delay counts against the timeout
                 await asyncio.sleep(min(fault.seconds, timeout))
                 if fault.seconds >= timeout:
@@ -168,6 +172,26 @@ class Faults:
 
 async def _one(body: bytes) -> AsyncIterator[bytes]:
     yield body
+
+
+async def _cut(frames: AsyncIterator[bytes], delivered: int) -> AsyncIterator[bytes]:
+    """The first ``delivered`` frames of ``frames``; the one after is taken from the sender (made) and dropped."""
+    index = 0
+    async for frame in frames:
+        if index == delivered:
+            return
+        index += 1
+        yield frame
+
+
+def draw_cut(rng: random.Random, members: list[str]) -> list[Fault]:
+    """Maybe one stream of parts or results cut after 0-3 frames (``--cuts``): its sender and receiver stay live,
+    so the receiver decides without the rest of it. From its own generator, so the schedules above stay as they
+    are."""
+    if rng.random() < 0.5:
+        return []
+    return [Fault("cut", rng.choice(members), rng.choice(("parts", "results")), rng.randrange(len(members)),
+                  float(rng.randrange(4)))]  # fmt: skip
 
 
 def draw_faults(rng: random.Random, members: list[str], budget: float) -> list[Fault]:
@@ -207,9 +231,10 @@ def _residual(averager: Averager) -> torch.Tensor:
     return averager.residual if averager.residual is not None else torch.zeros_like(averager.outer.theta)
 
 
-async def simulate(seed: int, rounds: int = 2) -> list[str]:
-    """Run one seed; return its violations (empty: the protocol held)."""
+async def simulate(seed: int, rounds: int = 2, cuts: bool = False) -> list[str]:
+    """Run one seed; return its violations (empty: the protocol held). ``cuts`` adds streams cut midway."""
     rng = random.Random(seed)
+    cut_rng = random.Random(seed ^ 0xC07)
     torch.default_generator.manual_seed(seed)  # the CPU generator only: seeding every accelerator costs ms
     n = rng.randint(2, 8)
     numel = rng.choice([24, 61, 200])
@@ -251,7 +276,7 @@ async def simulate(seed: int, rounds: int = 2) -> list[str]:
         before = [(m.averager.outer.theta.clone(), _residual(m.averager).clone()) for m in live]
         contributed = [_contribution(m.averager, d, w) for m, d, w in zip(live, deltas, weights, strict=True)]
         own = [m.averager.deadline_s() for m in live]
-        faults.new_round(draw_faults(rng, peers, 3.0))
+        faults.new_round(draw_faults(rng, peers, 3.0) + (draw_cut(cut_rng, peers) if cuts else []))
         runs = [
             m.averager.run_round(d.clone(), w, peers, set(peers), gather_timeout=GATHER_S)
             for m, d, w in zip(live, deltas, weights, strict=True)
@@ -326,6 +351,7 @@ def _check(
     # (d) the applied bytes, dense codecs: theta_g where the round fell back (plain rounds, no momentum); with fp32
     # the residuals, part by part (any round, aggregator or momentum), and the average (plain mean as well)
     dense = not get_codec(codec).sparse
+    knows = {k for k, _, _ in confirmed}
     for i, m, o in confirmed:
         if not dense:
             continue
@@ -342,7 +368,18 @@ def _check(
             elif codec == "fp32":
                 knows = {k for k, _, _ in confirmed}
                 found += _check_applied(
-                    live, m, j, (s, e), order, weights, deltas, before, before[i][0], knows, plain and plain_mean
+                    live,
+                    m,
+                    o.group,
+                    j,
+                    (s, e),
+                    order,
+                    weights,
+                    deltas,
+                    before,
+                    before[i][0],
+                    knows,
+                    plain and plain_mean,
                 )
     return found
 
@@ -350,6 +387,7 @@ def _check(
 def _check_applied(
     live: list[Member],
     m: Member,
+    group: Group,
     j: int,
     bounds: tuple[int, int],
     order: list[int],
@@ -360,49 +398,46 @@ def _check_applied(
     knows: set[int],
     average: bool,
 ) -> list[str]:
-    """(d) for an applied shard with fp32, part by part: the residual of each contributor that confirmed the round
-    (``knows``) holds nothing (its part was included) or all it contributed (left out: nothing lost, nothing
-    twice); with ``average`` (plain mean, plain round, no momentum) theta_g moved by the token-weighted average of
-    the included contributions (one that died or did not confirm the round may or may not be in)."""
+    """(d) for an applied shard with fp32, part by part, against whom the part included (the reducer's mask, in
+    the decision ``m`` keeps to serve, its ``ledger``): the residual of each contributor that confirmed the round
+    (``knows``) holds nothing where its part was included and all it contributed where it was left out (nothing
+    lost, nothing twice); with ``average`` (plain mean, plain round, no momentum) theta_g moved by the
+    token-weighted average of exactly the included contributions."""
     found = []
+    ledger = m.averager.ledgers.get(group.group_id)
+    if ledger is None:
+        return [f"(d) {m.averager.me} confirmed the round but keeps no decision to serve"]
     theta = m.averager.outer.theta
     start, end = bounds
-    for ps in range(start, end, m.averager.part_numel):
+    starts = range(start, end, m.averager.part_numel)
+    masks = ledger["masks"][j]
+    if len(masks) != len(starts):
+        return [f"(d) {m.averager.me}: {len(masks)} masks for the {len(starts)} parts of applied shard {j}"]
+    for ps, mask in zip(starts, masks, strict=True):
         pe = min(ps + m.averager.part_numel, end)
+        bits = int.from_bytes(bytes.fromhex(mask), "little")
+        included = [k for position, k in enumerate(order) if bits >> position & 1]
         owed = {k: deltas[k][ps:pe] + before[k][1][ps:pe] for k in order if weights[k] > 0}
-        included, maybe = [], []
-        for k, contribution in owed.items():
-            if k not in knows:  # died, or did not confirm the round: it cannot know whether its part was applied
-                maybe.append(k)
-                continue
-            left = _residual(live[k].averager)[ps:pe]
-            if torch.allclose(left, torch.zeros_like(left), atol=1e-6):
-                included.append(k)
-            elif not torch.allclose(left, contribution, rtol=1e-5, atol=1e-6):
-                found.append(f"(d) {live[k].averager.me}: its residual at [{ps}:{pe}] of applied shard {j} is "
-                             "neither empty nor all it contributed there")  # fmt: skip
-        if not average:
+        if not included or any(k not in owed for k in included):
+            found.append(f"(d) [{ps}:{pe}] of applied shard {j} includes {included}, contributors {list(owed)}")
             continue
-        change = theta_before[ps:pe] - theta[ps:pe]
-        fits = any(
-            _weighted(owed, weights, [*included, *extra], change)
-            for size in range(len(maybe), -1, -1)
-            for extra in itertools.combinations(maybe, size)
-        )
-        if not fits:
-            found.append(f"(d) {m.averager.me}: [{ps}:{pe}] of shard {j} is not the average of what was included")
+        for k, contribution in owed.items():
+            if k not in knows:  # died, or did not confirm the round: ``settle`` sets its residual right later
+                continue
+            expected = torch.zeros_like(contribution) if k in included else contribution
+            if not torch.allclose(_residual(live[k].averager)[ps:pe], expected, rtol=1e-5, atol=1e-6):
+                state = "included" if k in included else "left out"
+                found.append(f"(d) {live[k].averager.me}: {state} at [{ps}:{pe}] of shard {j}, its residual lost or "
+                             "doubled it")  # fmt: skip
+        if average:
+            total = sum(weights[k] for k in included)
+            mean = sum(owed[k] * (weights[k] / total) for k in included)
+            if not torch.allclose(mean, theta_before[ps:pe] - theta[ps:pe], rtol=1e-5, atol=1e-6):
+                found.append(f"(d) {m.averager.me}: [{ps}:{pe}] of shard {j} is not the average of what it included")
     return found
 
 
-def _weighted(owed: dict[int, torch.Tensor], weights: list[float], members: list[int], change: torch.Tensor) -> bool:
-    if not members:
-        return False
-    total = sum(weights[k] for k in members)
-    average = sum(owed[k] * (weights[k] / total) for k in members)
-    return torch.allclose(average, change, rtol=1e-5, atol=1e-6)
-
-
-def run_seed(seed: int, rounds: int = 2, quiet: bool = True) -> list[str]:
+def run_seed(seed: int, rounds: int = 2, quiet: bool = True, cuts: bool = False) -> list[str]:
     """Run one seed on a fresh virtual-clock loop; the members' logs are silenced unless ``quiet`` is False."""
     loop = VirtualClockLoop()
     logger = logging.getLogger("swarmtrain")
@@ -410,7 +445,7 @@ def run_seed(seed: int, rounds: int = 2, quiet: bool = True) -> list[str]:
     if quiet:
         logger.setLevel(logging.CRITICAL)
     try:
-        return loop.run_until_complete(simulate(seed, rounds))
+        return loop.run_until_complete(simulate(seed, rounds, cuts))
     except Deadlock as exc:
         return [f"seed {seed}: {exc}"]
     finally:
@@ -423,8 +458,8 @@ def run_seed(seed: int, rounds: int = 2, quiet: bool = True) -> list[str]:
         logger.setLevel(level)
 
 
-def replay_command(seed: int, rounds: int = 2) -> str:
-    return f"python -m swarmtrain.averaging.sim --seed {seed} --rounds {rounds}"
+def replay_command(seed: int, rounds: int = 2, cuts: bool = False) -> str:
+    return f"python -m swarmtrain.averaging.sim --seed {seed} --rounds {rounds}" + (" --cuts" if cuts else "")
 
 
 def main() -> None:
@@ -433,11 +468,12 @@ def main() -> None:
     parser.add_argument("--count", type=int, default=1, help="how many seeds from --seed")
     parser.add_argument("--rounds", type=int, default=2, help="rounds per seed")
     parser.add_argument("--log", default="CRITICAL", help="log level of the members (INFO shows the round)")
+    parser.add_argument("--cuts", action="store_true", help="also cut streams of parts or results midway")
     args = parser.parse_args()
     logging.basicConfig(level=args.log, format="%(asctime)s %(name)s %(message)s")
     failed = 0
     for seed in range(args.seed, args.seed + args.count):
-        violations = run_seed(seed, args.rounds, quiet=args.log == "CRITICAL")
+        violations = run_seed(seed, args.rounds, quiet=args.log == "CRITICAL", cuts=args.cuts)
         failed += bool(violations)
         for v in violations:
             print(v)
