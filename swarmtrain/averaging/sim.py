@@ -13,9 +13,12 @@ are caught by the digest vote (the minority resyncs), not prevented. After every
 (b) every member leaves the round within its bound (``Averager.budget_s``);
 (c) no member that confirmed the round applied a slot (shard or payload) another one fell back on;
 (d) with a dense codec and no momentum, theta_g is unchanged where the round fell back (and with fp32 the member's
-    residual holds all it contributed there), and with fp32 and the plain mean, part by part where it applied,
-    each survivor's residual holds nothing (its contribution was included) or all of it (left out: nothing lost,
-    nothing twice), and theta_g moved by the token-weighted average of the included contributions.
+    residual holds all it contributed there); with fp32, part by part where it applied, against whom the part
+    included (the member's ``ledger``), the residual of each member that confirmed the round holds nothing where it
+    was included and all it contributed where it was left out (nothing lost, nothing twice), and with the plain
+    mean theta_g moved by the token-weighted average of exactly the included contributions.
+
+With ``--cuts`` a round may also cut one stream of parts or results after 0-3 frames (both ends stay live).
 
 Each seed also draws the group's aggregator (``robust``), so (a)-(c) hold for the robust ones too.
 
