@@ -165,7 +165,8 @@ class NodeConfig(_Section):
     rounds: int = Field(0, ge=0)
     """Stop after this many outer rounds; 0 means run until Ctrl+C (or train.max_time)."""
     min_peers: int = Field(1, ge=1)
-    """Wait until the swarm has this many peers (this one included) before the first round."""
+    """Wait until the swarm has this many peers (this one included), and as many of them see as many, before the
+    first round."""
     min_peers_timeout_s: float = Field(600.0, gt=0.0)
     """Give up waiting for node.min_peers after this many seconds (and train with whoever is there)."""
     heartbeat_s: float = Field(1.0, gt=0.0, le=60.0)

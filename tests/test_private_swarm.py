@@ -215,3 +215,26 @@ async def test_forged_round_and_inner_phase_claims_are_ignored(identities: list[
     await member(behind, b, round=900).publish()
     await member(behind, liar, round=10**15).publish()
     assert set(await member(behind, me, round=0, digest="").refresh()) == {me.peer_id, a.peer_id, b.peer_id}
+
+
+async def test_half_a_swarm_still_waiting_to_start_does_not_hide_the_half_that_started(
+    identities: list[Identity],
+) -> None:
+    """Found by tests/test_swarm.py under load: with node.min_peers = 6, three nodes saw six peers and started,
+    three did not yet and waited at round 0. The waiting ones then dropped the started ones' records as "too far
+    ahead" (the lower median of the others' rounds was 0), so they never saw six peers: they waited for ever."""
+    me, waiting, started, other = identities
+    dht = FakeDHT()
+    await member(dht, waiting, round=0, state="starting").publish()
+    await member(dht, started, round=2).publish()
+    await member(dht, other, round=2).publish()
+    view = await member(dht, me, round=0, state="starting").refresh()
+    assert set(view) == {me.peer_id, waiting.peer_id, started.peer_id, other.peer_id}
+    # A liar still needs peers in step to vouch for it: waiting peers do not lift the median for it.
+    lone = FakeDHT()
+    await member(lone, waiting, round=0, state="starting").publish()
+    await member(lone, started, round=0, state="catching_up").publish()
+    await member(lone, other, round=10**15).publish()
+    assert set(await member(lone, me, round=0, state="starting").refresh()) == {
+        me.peer_id, waiting.peer_id, started.peer_id,
+    }  # fmt: skip

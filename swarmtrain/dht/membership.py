@@ -72,6 +72,7 @@ class PeerRecord(BaseModel):
     device: str = Field("", max_length=32)  # where its inner steps run (cpu, cuda:0, mps); "" for a bootstrap peer
     state: str = Field("", max_length=16)  # why it is or is not contributing (swarmtrain.node.state.NodeState)
     reason: str = Field("", max_length=240)  # the state's reason, e.g. whom it catches up from and how far
+    ready: bool = False  # a node waiting to start (state "starting") that sees node.min_peers peers
     # the peers it bans now (the end of each id -> until which round, why): ``ban_table``
     bans: dict[Annotated[str, Field(max_length=BAN_PEER_CHARS)], BanEntry] = Field(
         default_factory=dict, max_length=MAX_RECORD_BANS
@@ -97,6 +98,7 @@ class _RecordV1(pv1.BaseModel):
     device: pv1.StrictStr
     state: pv1.StrictStr = ""
     reason: pv1.StrictStr = ""
+    ready: pv1.StrictBool = False
     bans: dict[pv1.StrictStr, _BanV1] = {}
     mac: pv1.StrictStr  # the private swarm's MAC over subkey and record ("" in a public swarm)
 
@@ -131,16 +133,24 @@ def read_record(subkey: Any, value: Any, auth: SwarmAuth = PUBLIC) -> PeerRecord
     return record
 
 
+# Peers whose round says nothing of what the swarm holds: still waiting for node.min_peers, or downloading the state.
+NOT_IN_STEP = frozenset({"starting", "catching_up"})
+
+
 def plausible(records: dict[str, PeerRecord], my_round: int) -> dict[str, PeerRecord]:
     """The records of other peers whose round is at most one ahead of what this node and the other verified peers
     hold (the higher of ``my_round`` and the lower median of the others', the record's own left out): one peer
     claiming round 10**15 cannot drag a swarm forward, and a peer lagging behind cannot make the honest ones next
-    to me look like liars. A record with no other peer to compare with is taken at its word, so a node that is
-    behind (a joiner, a resumed node) can still follow a swarm of one; two peers that lie alike outvote one that
-    does not."""
+    to me look like liars. Peers still waiting to start or catching up (``NOT_IN_STEP``) do not count in the
+    median while any other peer does: half a swarm that waited for node.min_peers at round 0 while the other half
+    started must not hide the half that is ahead (they waited for each other for ever). A record with no other
+    peer to compare with is taken at its word, so a node that is behind (a joiner, a resumed node) can still follow
+    a swarm of one; two peers that lie alike outvote one that does not."""
     kept = dict(records)
     for peer, record in records.items():
-        others = sorted(r.round for p, r in records.items() if p != peer)
+        compared = [r for p, r in records.items() if p != peer]
+        in_step = [r for r in compared if r.state not in NOT_IN_STEP]
+        others = sorted(r.round for r in in_step or compared)
         if not others:
             continue
         held = max(my_round, others[(len(others) - 1) // 2])

@@ -282,16 +282,34 @@ class Node:
             log.info("%s", result.summary())
 
     async def _wait_for_peers(self, membership: Membership) -> None:
+        """Wait until node.min_peers peers are in the view, and then until as many of them see as many (their
+        records say ``ready``, or they have started): nodes that start together start in the same round. Without
+        the second wait, the nodes that saw the swarm first trained in groups without the others, who were still
+        waiting for a record or two to reach them."""
         node = self.config.node
         deadline = time.monotonic() + node.min_peers_timeout_s
+        me = membership.record.peer_id
+
+        def ready() -> int:
+            return 1 + sum(r.ready or r.state != "starting" for p, r in membership.view.items() if p != me)
+
         if len(membership.view) < node.min_peers:
             print(f"waiting for {node.min_peers} peers (node.min_peers) ...", flush=True)
             self.status.set(NodeState.STARTING, f"waiting for {node.min_peers} peers (node.min_peers)")
         while len(membership.view) < node.min_peers and time.monotonic() < deadline:
             await asyncio.sleep(min(0.2, node.heartbeat_s))
-        if len(membership.view) < node.min_peers:
-            log.warning("only %d of node.min_peers=%d peers after %.0f s; training anyway",
-                        len(membership.view), node.min_peers, node.min_peers_timeout_s)  # fmt: skip
+        membership.update(ready=True)
+        if node.min_peers > 1:
+            await membership.publish()
+            if ready() < node.min_peers:
+                self.status.set(NodeState.STARTING, f"sees {len(membership.view)} peers; waiting for "
+                                f"{node.min_peers} of them to see as many (node.min_peers)")  # fmt: skip
+            while ready() < node.min_peers and time.monotonic() < deadline:
+                await asyncio.sleep(min(0.2, node.heartbeat_s))
+        if ready() < node.min_peers:
+            waited = time.monotonic() - deadline + node.min_peers_timeout_s
+            log.warning("only %d of node.min_peers=%d peers ready after %.0f s; training anyway",
+                        ready(), node.min_peers, waited)  # fmt: skip
 
     async def _catch_up(self, averager: Averager, membership: Membership, trainer: InnerLoop, wait_s: float) -> None:
         """Download theta_g from a peer that is at our round or later (a joiner, or a node left out of a round).
