@@ -73,6 +73,7 @@ class Averager:
         min_deadline: float,
         deadline_factor: float,
         fail_at: str = "",
+        test_skew_at: int = -1,
         error_feedback: bool = True,
         shapes: list[tuple[int, ...]] | None = None,
         aggregator: Aggregator | None = None,
@@ -118,6 +119,7 @@ class Averager:
         # cannot fork theta_g.
         self.solo = True
         self.fail_at = tuple(int(kv.split("=")[1]) for kv in fail_at.split(",")) if fail_at else None
+        self.test_skew_at = test_skew_at
         fp32 = get_codec("fp32")  # gossip rounds mix theta_g losslessly
         largest = [c.payload_size(part_numel) for c in (codec_up, codec_down, fp32)]
         largest += [seg.codec.payload_size(seg.numel) for seg in self.segments]
@@ -267,6 +269,13 @@ class Averager:
 
         return hook
 
+    def _skew(self, round_: int) -> None:
+        """The ``averaging.test_skew_at`` fault: after round R's outer step, move theta_g off the group's state, so
+        this node's digest is the minority of the vote (tests only)."""
+        if round_ == self.test_skew_at:
+            log.warning("fault injection: perturbing theta_g after the outer step of round %d", round_)
+            self.outer.theta.add_(1e-3)
+
     # ---- one round ----------------------------------------------------------------------------------------
 
     async def run_round(
@@ -335,6 +344,7 @@ class Averager:
         self.matchmaker.bans.record(getattr(allreduce, "invalid", {}), round_)  # AllReduce and AllGather keep it
         phases.update(result.phases)
         self.outer.step(result.average)
+        self._skew(round_)
         digest = self.outer.digest()
         # A gossip group that did not mix (the agreed decision) keeps the states its members came with: they
         # differ by design, so nobody has to confirm mine. The digests are still exchanged: a member that decided
