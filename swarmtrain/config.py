@@ -247,6 +247,10 @@ class AveragingConfig(_Section):
     fail_at: str = Field("", pattern=r"^(round=\d+,part=\d+)?$")
     """Fault injection for tests: 'round=R,part=P' makes this node kill itself (SIGKILL) right after sending
     its P-th part in round R. Empty (the default) injects nothing."""
+    test_skew_at: int = Field(-1, ge=-1)
+    """Fault injection for tests: R >= 0 makes this node perturb its theta_g right after the outer step of round R
+    (a group round), so its state digest is the group's minority and the digest vote sends it to resync. -1 (the
+    default) injects nothing."""
 
 
 class AttackConfig(_Section):

@@ -18,6 +18,7 @@ from hivemind.utils.timed_storage import get_dht_time
 from swarmtrain.averaging import PROTOCOL_VERSION, Averager, Group
 from swarmtrain.compression import get_codec
 from swarmtrain.dht import Membership, PeerRecord, record_validators
+from swarmtrain.dht.identity import peer_id_of, record_subkey
 from swarmtrain.net import P2PTransport, PeerUnreachable, RemoteError
 
 NUMEL = 4096
@@ -136,27 +137,52 @@ async def test_join_refuses_bad_weights_and_models_of_another_size(pair) -> None
 
 
 async def test_malformed_dht_records_are_ignored(pair) -> None:
+    """Records that every swarm DHT node stores (schema-valid, signed by the key their subkey names) but that no
+    view may take: one of another run, one claiming a peer id its signing key does not derive, one out of bounds.
+    They reach the honest node's own lookup; ``Membership.refresh`` drops them all."""
     a, b = pair
-    key = RSAPrivateKey()
+    c = await P2P.create(initial_peers=await a.get_visible_maddrs(), host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    key, keys = RSAPrivateKey(), [RSAPrivateKey(), RSAPrivateKey()]
     honest = await DHTNode.create(p2p=a, record_validator=CompositeValidator(record_validators("test", key)))
-    rogue = await DHTNode.create(p2p=b, initial_peers=await a.get_visible_maddrs())  # validates nothing
+    # Two rogues that sign what they store like any swarm node (a DHT node holds one identity, so two of them).
+    rogues = [
+        await DHTNode.create(
+            p2p=p2p, initial_peers=await a.get_visible_maddrs(),
+            record_validator=CompositeValidator(record_validators("test", k)),
+        )
+        for p2p, k in zip((b, c), keys, strict=True)
+    ]  # fmt: skip
     try:
-        record = PeerRecord(
-            peer_id=a.peer_id.to_base58(), proto=PROTOCOL_VERSION, run_id="test", round=0, phase="training",
-            tokens_per_s=0.0, batch_size=1,
-        )  # fmt: skip
+        me = peer_id_of(key.get_public_key().to_bytes())
+        record = PeerRecord(peer_id=me, proto=PROTOCOL_VERSION, run_id="test", round=0, phase="training",
+                            tokens_per_s=0.0, batch_size=1)  # fmt: skip
         signer, _ = record_validators("test", key)
         membership = Membership(honest, signer, record, ttl=30)
-        await membership.publish()
+        assert await membership.publish()
         expiration = get_dht_time() + 30
-        await rogue.store("test_peers", {"peer_id": 5}, expiration, subkey=b"junk")
-        other_run = {**record.model_dump(), "peer_id": "QmOther", "run_id": "other"}
-        await rogue.store("test_peers", other_run, expiration, subkey=b"QmOther")
+        base = {**record.model_dump(), "mac": ""}
+        (signer0, _), (signer1, _) = (record_validators("test", k) for k in keys)
+        ids = [peer_id_of(k.get_public_key().to_bytes()) for k in keys]
+        rogue_records = [  # (rogue, subkey, value): each breaks one rule Membership checks
+            (0, record_subkey(ids[0], signer0), {**base, "peer_id": ids[0], "run_id": "other"}),
+            (0, record_subkey("QmImpostor", signer0), {**base, "peer_id": "QmImpostor"}),
+            (1, record_subkey(ids[1], signer1), {**base, "peer_id": ids[1], "tokens_per_s": -1.0}),
+        ]
+        for rogue, subkey, value in rogue_records:
+            assert await rogues[rogue].store("test_peers", value, expiration, subkey=subkey), subkey[:16]
+        # They landed: the honest node's own lookup (what refresh reads) returns them next to its record.
+        found = await honest.get("test_peers", latest=True)
+        assert found is not None
+        stored = {subkey: item.value for subkey, item in found.value.items()}
+        assert set(stored) == {membership.subkey, *(subkey for _, subkey, _ in rogue_records)}
+        assert all(stored[subkey] == value for _, subkey, value in rogue_records)
         view = await membership.refresh()
-        assert list(view) == [record.peer_id]
+        assert list(view) == [me]
     finally:
-        await rogue.shutdown()
+        for rogue in rogues:
+            await rogue.shutdown()
         await honest.shutdown()
+        await c.shutdown()
 
 
 async def test_over_p2p_a_reply_over_its_bound_and_calls_over_a_peers_share_are_refused(pair) -> None:

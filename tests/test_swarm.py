@@ -95,6 +95,35 @@ def test_survivors_of_a_kill_9_mid_all_reduce_agree_and_keep_training(swarm: Swa
     assert all(r["group_size"] == 3 and r["outcome"] == "applied" for r in later)
 
 
+@pytest.mark.slow
+def test_a_member_left_in_the_minority_of_the_digest_vote_resyncs_and_contributes_next_round(swarm: Swarm) -> None:
+    """3 nodes in one group; n2 perturbs its theta_g right after round 1's outer step (``averaging.test_skew_at``),
+    so its digest is one against two: it downloads the state the two confirmed, ends round 1 holding their digest,
+    and contributes to round 2 with the others, all three on one digest again."""
+    names = ["n0", "n1", "n2"]
+    settings = [f"node.min_peers={len(names)}"]
+    swarm.start("n0", 4, extra=settings)
+    first = swarm.join_line("n0")
+    swarm.start("n1", 4, join=first, extra=settings)
+    swarm.start("n2", 4, join=first, extra=[*settings, "averaging.test_skew_at=1"])
+    swarm.wait(names, timeout=180)
+    assert "fault injection: perturbing theta_g after the outer step of round 1" in swarm.log("n2")
+    rows = {name: swarm.rounds(name) for name in names}
+    assert all([r["round"] for r in rows[name]] == [0, 1, 2, 3] for name in names), rows
+    outcomes = {(name, r["round"]): r["outcome"] for name in names for r in rows[name]}
+    expected = {(name, k): "applied" for name in names for k in range(4)}
+    expected["n2", 1] = "diverged-resynced"
+    assert outcomes == expected, outcomes
+    assert "resync_s" in rows["n2"][1]["phases"], rows["n2"][1]
+    for round_, digests in digests_by_round(swarm, names).items():
+        assert len(digests) == 3 and len(set(digests.values())) == 1, (round_, digests)
+    skewed = rows["n2"][0]["peer_id"]
+    for r in [rows[name][k] for name in names for k in range(4)]:
+        assert r["group_size"] == 3 and skewed in r["group"], r
+    after = rows["n2"][2]
+    assert after["tokens"] > 0 and after["weights"][after["group"].index(skewed)] > 0, after
+
+
 def start_gossip_swarm(swarm: Swarm, rounds: int, extra: dict[str, list[str]] | None = None) -> list[str]:
     """6 nodes in gossip groups of 3, each from its own init (train.seed), so rounds mix theta_g first."""
     names = [f"n{i}" for i in range(6)]

@@ -82,6 +82,7 @@ class Averager:
         min_deadline: float,
         deadline_factor: float,
         fail_at: str = "",
+        test_skew_at: int = -1,
         error_feedback: bool = True,
         shapes: list[tuple[int, ...]] | None = None,
         aggregator: Aggregator | None = None,
@@ -121,6 +122,7 @@ class Averager:
         self._opened_by: dict[str, str] = {}  # unclaimed routes: the peer whose message opened each
         self._durations: list[float] = []
         self.fail_at = tuple(int(kv.split("=")[1]) for kv in fail_at.split(",")) if fail_at else None
+        self.test_skew_at = test_skew_at
         fp32 = get_codec("fp32")  # gossip rounds mix theta_g losslessly
         largest = [c.payload_size(part_numel) for c in (codec_up, codec_down, fp32)]
         largest += [seg.codec.payload_size(seg.numel) for seg in self.segments]
@@ -272,6 +274,13 @@ class Averager:
 
         return hook
 
+    def _skew(self, round_: int) -> None:
+        """The ``averaging.test_skew_at`` fault: after round R's outer step, move theta_g off the group's state, so
+        this node's digest is the minority of the vote (tests only)."""
+        if round_ == self.test_skew_at:
+            log.warning("fault injection: perturbing theta_g after the outer step of round %d", round_)
+            self.outer.theta.add_(1e-3)
+
     # ---- one round ----------------------------------------------------------------------------------------
 
     async def run_round(
@@ -389,6 +398,7 @@ class Averager:
         self.matchmaker.bans.record(getattr(update, "invalid", {}), r.number)  # AllReduce and AllGather keep it
         r.phases.update(result.phases)
         self.outer.step(result.average)
+        self._skew(r.number)
         return result
 
     async def _digests(self, r: Round, update: GroupExchange, digest: str) -> dict[str, str]:

@@ -175,7 +175,7 @@ class Node:
                 transport, theta, run_id=node.run_id, group_size=avg.group_size, outer_lr=avg.outer_lr,
                 outer_momentum=avg.outer_momentum, codec_up=codec_up, codec_down=codec_down,
                 part_numel=avg.part_numel, min_deadline=avg.min_deadline_s, deadline_factor=avg.deadline_factor,
-                fail_at=avg.fail_at, error_feedback=avg.error_feedback,
+                fail_at=avg.fail_at, test_skew_at=avg.test_skew_at, error_feedback=avg.error_feedback,
                 shapes=trainer.shapes,
                 aggregator=parse_aggregator(avg.aggregator, private=bool(node.swarm_key or node.allow_peers)),
                 attack=attack, ban_rounds=avg.ban_rounds,
