@@ -194,7 +194,7 @@ class AllGather(GroupExchange):
         if not self._decode_into(sent, self.payloads[self.me]):
             return None
 
-        def returned(ledger: dict[str, Any]) -> torch.Tensor | None:
+        def returned(ledger: Any) -> torch.Tensor | None:
             applied = self._check_applied(ledger)
             return None if applied is None else torch.full_like(sent, not applied[self.index], dtype=torch.bool)
 

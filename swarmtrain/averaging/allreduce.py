@@ -326,16 +326,26 @@ class AllReduce(GroupExchange):
             encoded[start:end] = True
         return encoded
 
-    def _returned(self, applied: list[bool], masks: list[list[int]], encoded: torch.Tensor) -> torch.Tensor:
-        """Where what I sent goes back into my residual under a decision (``applied`` per shard, and per applied
-        shard the members each part included): shards that fell back, and parts that left me out."""
-        back = torch.zeros_like(encoded)
+    def _returned(self, applied: list[bool], masks: list[list[int]]) -> list[tuple[int, int]]:
+        """The ranges where what I sent goes back into my residual under a decision (``applied`` per shard, and
+        per applied shard the members each part included): shards that fell back, and parts that left me out."""
+        back = []
         mine = 1 << self.index
         for j, ((start, end), ok) in enumerate(zip(self.bounds, applied, strict=True)):
+            if not ok:
+                back.append((start, end))
+                continue
             for p, (s, e) in enumerate(self._parts(end - start)):
-                if not ok or p >= len(masks[j]) or not masks[j][p] & mine:
-                    back[start + s : start + e] = True
-        return back & encoded
+                if p >= len(masks[j]) or not masks[j][p] & mine:
+                    back.append((start + s, start + e))
+        return back
+
+    @staticmethod
+    def _as_mask(ranges: list[tuple[int, int]], encoded: torch.Tensor) -> torch.Tensor:
+        mask = torch.zeros_like(encoded)
+        for start, end in ranges:
+            mask[start:end] = True
+        return mask & encoded
 
     def _masks(self) -> list[list[int]]:
         return [[int.from_bytes(box.masks[p], "little") for p in sorted(box.masks)] for box in self.results]
@@ -352,8 +362,9 @@ class AllReduce(GroupExchange):
         encoded = self._encoded()
         unsent = ~encoded
         self.residual[unsent] += self.delta[unsent]
-        back = self._returned(applied, self._masks(), encoded)
-        self.residual[back] += self.sent[back]
+        for start, end in self._returned(applied, self._masks()):
+            sent = encoded[start:end]
+            self.residual[start:end][sent] += self.sent[start:end][sent]
 
     def ledger(self) -> dict[str, Any]:
         masks = [[box.masks[p].hex() for p in sorted(box.masks)] if ok else [] for box, ok in zip(
@@ -366,8 +377,9 @@ class AllReduce(GroupExchange):
         encoded = self._encoded()
         sent = torch.where(encoded, self.sent, 0.0)  # ``sent`` is a scratch buffer the next round reuses
 
-        def returned(ledger: dict[str, Any]) -> torch.Tensor | None:
-            applied, masks = self._check_applied(ledger), ledger.get("masks")
+        def returned(ledger: Any) -> torch.Tensor | None:
+            applied = self._check_applied(ledger)
+            masks = ledger.get("masks") if applied is not None else None
             if applied is None or not isinstance(masks, list) or len(masks) != self.group.size:
                 return None
             parsed = []
@@ -379,9 +391,10 @@ class AllReduce(GroupExchange):
                     parsed.append([int.from_bytes(self._check_mask(bytes.fromhex(m)), "little") for m in shard])
                 except (TypeError, ValueError, Rejected):
                     return None
-            return self._returned(applied, parsed, encoded)
+            return self._as_mask(self._returned(applied, parsed), encoded)
 
-        return Unsettled(round_, self.group, sent, self._returned(self.applied, self._masks(), encoded), returned)
+        given_back = self._as_mask(self._returned(self.applied, self._masks()), encoded)
+        return Unsettled(round_, self.group, sent, given_back, returned)
 
     async def _gather(self) -> None:
         for j, peer in enumerate(self.group.members):

@@ -102,7 +102,7 @@ class Unsettled:
     group: Group
     sent: torch.Tensor  # what my payloads carried (zeros where nothing was sent)
     given_back: torch.Tensor  # bool: where ``sent`` went back into my residual
-    returned: Callable[[dict[str, Any]], torch.Tensor | None]  # the same mask under a ledger (None: malformed)
+    returned: Callable[[Any], torch.Tensor | None]  # the same mask under a ledger (None: malformed)
 
 
 @dataclass
