@@ -259,7 +259,7 @@ async def test_a_member_cut_off_from_the_reports_sets_its_residual_to_the_groups
     torch.testing.assert_close(cut.residual, deltas[2])  # its own view: nothing applied
     for malformed in (["applied"], {"applied": [True] * 3, "masks": "ff"}, {"applied": [True] * 3, "masks": [[]] * 3}):
         assert cut.unsettled.returned(malformed) is None  # a hostile answer is ignored, not raised on
-    await cut.settle()
+    await cut.reconcile()
     torch.testing.assert_close(cut.residual, torch.zeros(NUMEL))  # the group's: all of it applied, once
     assert cut.unsettled is None
     for a in averagers[:2]:

@@ -131,7 +131,7 @@ class Averager:
         self.max_frames = max(-(-theta.numel() * 2 // part_numel), len(self.segments)) + 1
         self.snapshots = SnapshotStore()  # the states this node serves to joiners (statesync)
         self.ledgers: OrderedDict[str, dict[str, Any]] = OrderedDict()  # group id -> the decision I applied
-        self.unsettled: Unsettled | None = None  # my part in a round I could not confirm (``settle``)
+        self.unsettled: Unsettled | None = None  # my part in a round I could not confirm (``reconcile``)
         self.state_chunk = CHUNK_BYTES  # chunk size of our own downloads
 
     @property
@@ -449,7 +449,7 @@ class Averager:
         return outcome, digest
 
     def _remember(self, round_: int, update: GroupExchange, outcome: str) -> None:
-        """Keep the decision of a round I confirmed, to serve to members that could not (``settle``); or, for a
+        """Keep the decision of a round I confirmed, to serve to members that could not (``reconcile``); or, for a
         round I could not confirm, what I must set right once I know the decision of those that did."""
         if outcome in ("applied", "fallback"):
             self.ledgers[update.group.group_id] = update.ledger()
@@ -459,7 +459,7 @@ class Averager:
         else:
             self.unsettled = update.unsettled(round_)
 
-    async def settle(self, timeout: float = LEDGER_TIMEOUT) -> None:
+    async def reconcile(self, timeout: float = LEDGER_TIMEOUT) -> None:
         """Nothing twice, nothing lost, for a member that could not confirm its last round (it heard no reports, or
         its digest was in the minority): it put back into its residual what it sent to the slots it saw fall
         back, but the group may have decided otherwise. Ask the other members for the decision they applied

@@ -96,7 +96,7 @@ async def wait_or_dead(done: asyncio.Event, dead: asyncio.Event, deadline: float
 @dataclass
 class Unsettled:
     """What a member that could not confirm its round sent, and what of it went back into its residual on its own
-    view of the round's decision, until the decision of the members that did confirm it is known (``settle``)."""
+    view of the round's decision, until the decision of the members that did confirm it is known (``reconcile``)."""
 
     round: int
     group: Group

@@ -275,7 +275,7 @@ async def simulate(seed: int, rounds: int = 2, cuts: bool = False) -> list[str]:
         peers = [m.averager.me for m in live]
         weights = [rng.choice([0.0, 1.0, 2.0, 5.0, 100.0]) for _ in live]
         deltas = [torch.randn(numel) for _ in live]
-        await asyncio.gather(*(m.averager.settle() for m in live))  # a member that resynced asks the decision
+        await asyncio.gather(*(m.averager.reconcile() for m in live))  # a member that resynced asks the decision
         before = [(m.averager.outer.theta.clone(), _residual(m.averager).clone()) for m in live]
         contributed = [_contribution(m.averager, d, w) for m, d, w in zip(live, deltas, weights, strict=True)]
         own = [m.averager.deadline_s() for m in live]
@@ -425,7 +425,7 @@ def _check_applied(
             found.append(f"(d) [{ps}:{pe}] of applied shard {j} includes {included}, contributors {list(owed)}")
             continue
         for k, contribution in owed.items():
-            if k not in knows:  # died, or did not confirm the round: ``settle`` sets its residual right later
+            if k not in knows:  # died, or did not confirm the round: ``reconcile`` sets its residual right later
                 continue
             expected = torch.zeros_like(contribution) if k in included else contribution
             if not torch.allclose(_residual(live[k].averager)[ps:pe], expected, rtol=1e-5, atol=1e-6):

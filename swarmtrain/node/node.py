@@ -451,7 +451,7 @@ class Node:
             gather = self._gather_timeout(membership, set(candidates), last_inner)
             averager.matchmaker.join_timeout = max(30.0, 3 * last_inner)  # a slow leader, not a dead one
             try:
-                await averager.settle()  # after a round I could not confirm: my residual to the group's decision
+                await averager.reconcile()  # after a round I could not confirm: my residual to the group's decision
                 outcome = await averager.run_round(delta, float(tokens), candidates, set(candidates), gather)
             except (SwarmtrainError, OSError) as exc:  # a round that broke must not take the node down
                 log.error("round %d failed (%r); catching up from the swarm before the next one", averager.round, exc)
