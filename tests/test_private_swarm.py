@@ -238,3 +238,17 @@ async def test_half_a_swarm_still_waiting_to_start_does_not_hide_the_half_that_s
     assert set(await member(lone, me, round=0, state="starting").refresh()) == {
         me.peer_id, waiting.peer_id, started.peer_id,
     }  # fmt: skip
+
+
+async def test_a_node_catching_up_sees_the_peers_ahead_of_one_that_lags(identities: list[Identity]) -> None:
+    """Found by tests/test_swarm.py under load (gossip groups of 3): a node at round 1 catching up, one peer in step
+    at round 1 (alone, waiting for a group) and two at round 3. With the lower median of the others' rounds (1 and
+    3 for each of the two), the node dropped both peers at round 3, the only ones it could catch up from, and
+    stayed behind for four rounds."""
+    me, lagging, ahead, other = identities
+    dht = FakeDHT()
+    await member(dht, lagging, round=1).publish()
+    await member(dht, ahead, round=3).publish()
+    await member(dht, other, round=3).publish()
+    view = await member(dht, me, round=1, state="catching_up").refresh()
+    assert set(view) == {me.peer_id, lagging.peer_id, ahead.peer_id, other.peer_id}

@@ -139,9 +139,11 @@ NOT_IN_STEP = frozenset({"starting", "catching_up"})
 
 def plausible(records: dict[str, PeerRecord], my_round: int) -> dict[str, PeerRecord]:
     """The records of other peers whose round is at most one ahead of what this node and the other verified peers
-    hold (the higher of ``my_round`` and the lower median of the others', the record's own left out): one peer
-    claiming round 10**15 cannot drag a swarm forward, and a peer lagging behind cannot make the honest ones next
-    to me look like liars. Peers still waiting to start or catching up (``NOT_IN_STEP``) do not count in the
+    hold (the higher of ``my_round`` and the median of the others', the record's own left out, the upper one of an
+    even count): one peer claiming round 10**15 cannot drag a swarm forward (it is never among the others that
+    vouch for it), and peers lagging behind cannot make the honest ones next to me look like liars (with the lower
+    median, a node catching up while one peer waited at round 1 and two were at 3 dropped both of those: the only
+    peers it could catch up from). Peers still waiting to start or catching up (``NOT_IN_STEP``) do not count in the
     median while any other peer does: half a swarm that waited for node.min_peers at round 0 while the other half
     started must not hide the half that is ahead (they waited for each other for ever). A record with no other
     peer to compare with is taken at its word, so a node that is behind (a joiner, a resumed node) can still follow
@@ -153,7 +155,7 @@ def plausible(records: dict[str, PeerRecord], my_round: int) -> dict[str, PeerRe
         others = sorted(r.round for r in in_step or compared)
         if not others:
             continue
-        held = max(my_round, others[(len(others) - 1) // 2])
+        held = max(my_round, others[len(others) // 2])
         if record.round > held + 1:
             log.warning("ignoring %s: it claims round %d, the swarm holds %d", peer[-8:], record.round, held)
             del kept[peer]
