@@ -46,6 +46,7 @@ from swarmtrain.train.device import resolve_device
 log = logging.getLogger(__name__)
 
 P2P_ATTEMPTS = 3  # starts of the p2p daemon when none of the peers in node.join answered
+SETTLE_WAIT_S = 3.0  # how long a node catching up holds out for a donor that trains (``_catch_up_until``)
 
 
 class NodeError(SwarmtrainError):
@@ -328,6 +329,10 @@ class Node:
     ) -> None:
         membership.update(phase="syncing")
         self.status.set(NodeState.CATCHING_UP, f"looking for peers ahead of round {averager.round}")
+        # How long to hold out for a donor that trains rather than one that averages (see below): a few heartbeats.
+        # Not the whole catch-up: donors whose group waits for me (my record is in their view) average for most of
+        # each round, and a node that held out for 30 s missed every round in between (found under load).
+        patient_until = min(deadline, time.monotonic() + max(SETTLE_WAIT_S, 4 * self.config.node.heartbeat_s))
         while True:
             ahead = [
                 r
@@ -350,13 +355,13 @@ class Node:
                     return
                 # Peers averaging a round publish its start state, which their group is about to replace: a node
                 # that downloads it could not sit in on that round any more. Take the state of peers that train
-                # (or are done), at most one round past what most peers hold; the averaging ones' only once
-                # waiting for those ran out.
+                # (or are done), at most one round past what most peers hold; the averaging ones' only after a
+                # few heartbeats without such a peer.
                 settled = [r for r in ahead if r.phase in ("training", "done") and r.round <= target + 1]
                 if settled:
                     (target, digest), _ = Counter((r.round, r.digest) for r in settled).most_common(1)[0]
                     ahead = settled
-                elif time.monotonic() <= deadline:
+                elif time.monotonic() <= patient_until:
                     ahead = []
             if ahead:
                 donors = [r.peer_id for r in ahead if (r.round, r.digest) == (target, digest)]
@@ -379,9 +384,15 @@ class Node:
 
     async def _sync_on_start(self, averager: Averager, membership: Membership, trainer: InnerLoop) -> None:
         """A node that joins a swarm already under way (or resumes behind it) downloads theta_g before training;
-        a resumed node whose peers hold its round and digest just continues."""
+        a resumed node whose peers hold its round and digest just continues. Only the members of my own group for
+        my round count: with gossip groups, another group may finish round 0 while mine still waits for me (a node
+        that started with the swarm but saw the last ``ready`` record a few heartbeats after the others did). Taking
+        their round for news that I am behind, I caught up instead of joining my group, which then went without
+        me (found by tests/test_swarm.py under load)."""
         round_, digest = averager.round, averager.outer.digest()
-        others = [r for p, r in membership.view.items() if p != averager.me]
+        group = leader_candidates(list(membership.view), averager.me, averager.group_size, self.config.node.run_id,
+                                  round_)  # fmt: skip
+        others = [membership.view[p] for p in group if p != averager.me]
         if any(r.round > round_ or (r.round == round_ > 0 and r.digest not in ("", digest)) for r in others):
             await self._catch_up(averager, membership, trainer, wait_s=30.0)
 

@@ -1,0 +1,95 @@
+"""When a node decides it is behind the swarm and catches up (``Node._sync_on_start``), tested without processes."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from swarmtrain.averaging import PROTOCOL_VERSION, leader_candidates
+from swarmtrain.dht.membership import PeerRecord
+from swarmtrain.node.node import SETTLE_WAIT_S, Node
+from tests.conftest import tiny_config
+
+PEERS = [f"peer-{c}" for c in "abcdef"]
+
+
+def record(peer: str, round_: int) -> PeerRecord:
+    return PeerRecord(
+        peer_id=peer, proto=PROTOCOL_VERSION, run_id="swarmtrain", round=round_, phase="training", tokens_per_s=1.0,
+        batch_size=4, digest=f"{round_:08x}",
+    )  # fmt: skip
+
+
+def starts_by_catching_up(node: Node, me: str, rounds: dict[str, int], my_round: int = 0) -> bool:
+    """Whether ``me`` at ``my_round`` catches up before its first round, seeing peers at ``rounds``."""
+    caught: list[bool] = []
+
+    async def catch_up(*_: Any, **__: Any) -> None:
+        caught.append(True)
+
+    node._catch_up = catch_up  # type: ignore[method-assign]
+    view = {p: record(p, r) for p, r in rounds.items()} | {me: record(me, my_round)}
+    outer = SimpleNamespace(digest=lambda: f"{my_round:08x}")
+    averager = SimpleNamespace(me=me, round=my_round, outer=outer, group_size=3)
+    asyncio.run(node._sync_on_start(averager, SimpleNamespace(view=view), None))  # type: ignore[arg-type]
+    return bool(caught)
+
+
+@pytest.fixture
+def node(tmp_path: Path, text_file: Path) -> Node:
+    return Node(tiny_config(tmp_path, text_file, **{"averaging.group_size": 3}))
+
+
+def test_another_gossip_group_ahead_is_not_news_that_i_am_behind(node: Node) -> None:
+    """Six nodes that started together in groups of 3: the other group finished round 0 while mine waits for me."""
+    me = PEERS[0]
+    mine = set(leader_candidates(PEERS, me, 3, node.config.node.run_id, 0))
+    rounds = {p: 0 if p in mine else 1 for p in PEERS if p != me}
+    assert sorted(rounds.values()) == [0, 0, 1, 1, 1]
+    assert not starts_by_catching_up(node, me, rounds)
+    mate = sorted(mine - {me})[0]  # a member of my own group is past round 0: it went without me
+    assert starts_by_catching_up(node, me, {**rounds, mate: 1})
+
+
+def test_a_joiner_or_a_resumed_node_behind_the_swarm_catches_up(node: Node) -> None:
+    me = PEERS[0]
+    assert starts_by_catching_up(node, me, {p: 4 for p in PEERS[1:]})
+    assert starts_by_catching_up(node, me, {p: 4 for p in PEERS[1:3]}, my_round=2)  # one group of three
+    assert not starts_by_catching_up(node, me, {p: 2 for p in PEERS[1:3]}, my_round=2)  # in step: it goes on
+    assert not starts_by_catching_up(node, me, {})  # alone
+
+
+def test_a_node_catching_up_takes_an_averaging_donor_after_a_few_heartbeats(node: Node) -> None:
+    """Found under load (test_node_resume): the two peers ahead averaged for most of each round, their group waiting
+    for the node catching up, so it rarely saw one in its inner phase; it held out for such a donor for the whole
+    30 s of its catch-up and missed four rounds."""
+    me = PEERS[0]
+    view = {p: record(p, 9).model_copy(update={"phase": "averaging"}) for p in PEERS[1:3]} | {me: record(me, 8)}
+    fetched: list[tuple[list[str], int]] = []
+
+    async def fetch_state(donors: list[str], digest: str, max_round: int) -> bool:
+        fetched.append((donors, max_round))
+        averager.round = max_round
+        return True
+
+    async def refresh() -> None:
+        pass
+
+    status = SimpleNamespace(set=lambda *_: None)
+    lifecycle = SimpleNamespace(advance=lambda event: events.append(event))
+    events: list[object] = []
+    averager = SimpleNamespace(me=me, round=8, outer=SimpleNamespace(digest=lambda: "mine", theta=None),
+                               fetch_state=fetch_state, lifecycle=lifecycle)  # fmt: skip
+    membership = SimpleNamespace(view=view, update=lambda **_: None, refresh=refresh)
+    trainer = SimpleNamespace(load_vector=lambda _: None)
+    node.status = status  # type: ignore[assignment]
+    started = time.monotonic()
+    asyncio.run(node._catch_up_until(averager, membership, trainer, started + 30.0))  # type: ignore[arg-type]
+    waited = time.monotonic() - started
+    assert fetched == [(PEERS[1:3], 9)] and events, (fetched, events)
+    assert SETTLE_WAIT_S <= waited < SETTLE_WAIT_S + 5, waited
