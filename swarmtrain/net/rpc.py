@@ -317,6 +317,10 @@ class P2PTransport(Transport):
                 log.warning("rejected %s from %s: %s", method, remote[-8:], exc)
             except (ConnectionError, asyncio.IncompleteReadError, OSError):
                 pass  # the caller went away; nothing to answer
+            except asyncio.CancelledError:
+                # The node is shutting down with this call open (a join waiting for its group): end the stream
+                # quietly. Re-raised, the stream callback's ``task.exception()`` logged a traceback per open call.
+                return
             finally:
                 self.limit.release(remote)
                 writer.close()
