@@ -1,15 +1,18 @@
-"""Our group all-reduce vs hivemind's DecentralizedAverager, side by side in one run, on loopback.
+"""Our group all-reduce vs the transport's limit and vs hivemind's DecentralizedAverager, side by side in one run.
 
     python benchmarks/bench_allreduce.py --peers 4 --numel 10000000 --rounds 5
 
-Each system runs PEERS processes that average a NUMEL-element fp32 tensor, with fp32 and with fp16 payloads.
+Each system runs PEERS processes on loopback that average a NUMEL-element fp32 tensor, with fp32 and with fp16
+payloads. ``raw`` is the transport's limit: the same processes and daemons (our ``P2PTransport``), each sending
+the bytes a butterfly all-reduce sends, 2 x payload / PEERS to each other peer, all at once, in frames of a
+node's part size, with no encoding, no reduction and no protocol around it.
 Reported per case:
 - group wall time: per round, from the moment the last peer calls its step to the moment the last peer is
   done (so waiting for stragglers is not counted, matchmaking is), median over the timed rounds;
 - bytes sent per peer per round: everything the loopback interface carried during the timed rounds
   (payloads, framing, matchmaking, DHT), divided by peers and rounds; the ideal for a butterfly all-reduce
   is 2 (n - 1) / n x payload.
-The last column is our time over hivemind's for the same codec (the goal is <= 0.8).
+The last columns are our time over the raw transfer's and over hivemind's for the same codec.
 """
 
 from __future__ import annotations
@@ -98,6 +101,66 @@ async def asyncio_sleep(seconds: float) -> None:
     await asyncio.sleep(seconds)
 
 
+def raw_worker(idx: int, peers: int, numel: int, codec: str, rounds: int, workdir: str) -> None:
+    """Send 2 x payload / peers bytes to every other peer at once, every round; a round ends for this peer when
+    its sends are done and every other peer's bytes of that round arrived."""
+    import asyncio
+
+    import uvloop
+    from hivemind.p2p import P2P
+
+    from swarmtrain.net import P2PTransport
+
+    work = Path(workdir)
+    elem = 2 if codec == "fp16" else 4
+    frame = PART_NUMEL * elem
+    share = 2 * numel * elem // peers
+    frames = [b"\x01" * frame] * (share // frame) + ([b"\x01" * (share % frame)] if share % frame else [])
+
+    async def main() -> None:
+        join = [] if idx == 0 else [(work / "maddr0").read_text()]
+        p2p = await P2P.create(initial_peers=join or None, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+        (work / f"maddr{idx}").write_text(str((await p2p.get_visible_maddrs())[0]))
+        transport = P2PTransport(p2p)
+        arrived: dict[int, set[str]] = {}
+        events: dict[int, asyncio.Event] = {}
+
+        async def on_raw(sender: str, header: dict, body) -> tuple[dict, bytes]:
+            async for _ in body:
+                pass
+            arrived.setdefault(header["round"], set()).add(sender)
+            if len(arrived[header["round"]]) == peers - 1:
+                events.setdefault(header["round"], asyncio.Event()).set()
+            return {}, b""
+
+        await transport.serve_stream("raw", on_raw, max_body=frame, max_frames=len(frames) + 1)
+        (work / f"id{idx}").write_text(transport.peer_id)
+        for i in range(peers):
+            _wait_for(work / f"id{i}")
+        others = [(work / f"id{i}").read_text() for i in range(peers) if i != idx]
+
+        async def send(peer: str, round_: int) -> None:
+            async def body():
+                for f in frames:
+                    yield f
+
+            await transport.call_stream(peer, "raw", {"round": round_}, body(), count=len(frames), timeout=120.0)
+
+        times = []
+        for r in range(rounds + 1):
+            if r == 1:
+                _barrier(work, idx)
+            start = time.time()
+            await asyncio.gather(*(send(p, r) for p in others))
+            await events.setdefault(r, asyncio.Event()).wait()
+            times.append((start, time.time(), "applied", peers))
+        (work / f"result{idx}.json").write_text(json.dumps(times[1:]))
+        await asyncio.sleep(1.0)
+        await p2p.shutdown()
+
+    uvloop.run(main())
+
+
 def hivemind_worker(idx: int, peers: int, numel: int, codec: str, rounds: int, workdir: str) -> None:
     from hivemind.averaging import DecentralizedAverager
     from hivemind.compression import Float16Compression, NoCompression
@@ -129,7 +192,7 @@ def hivemind_worker(idx: int, peers: int, numel: int, codec: str, rounds: int, w
 
 
 def run_case(system: str, peers: int, numel: int, codec: str, rounds: int, verbose: bool = False) -> dict[str, float]:
-    worker = ours_worker if system == "swarmtrain" else hivemind_worker
+    worker = {"swarmtrain": ours_worker, "raw": raw_worker, "hivemind": hivemind_worker}[system]
     ctx = mp.get_context("spawn")
     with TemporaryDirectory() as tmp:
         work = Path(tmp)
@@ -168,11 +231,11 @@ def main() -> None:
     parser.add_argument("--numel", type=int, default=10_000_000)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--codecs", default="fp32,fp16")
-    parser.add_argument("--systems", default="swarmtrain,hivemind")
+    parser.add_argument("--systems", default="swarmtrain,raw,hivemind")
     parser.add_argument("--verbose", action="store_true", help="print where each of our rounds spent its time")
     args = parser.parse_args()
     print(f"{args.peers} peers x {args.numel:,} fp32 elements, {args.rounds} timed rounds each (after one warm-up)")
-    print(f"{'codec':6} {'system':10} {'wall s':>8} {'MB sent/peer':>13} {'ideal MB':>9} {'ok':>4} {'ours/hm':>8}")
+    print(f"{'codec':6} {'system':10} {'wall s':>8} {'MB sent/peer':>13} {'ideal MB':>9} {'ok':>4} {'ours/it':>8}")
     for codec in args.codecs.split(","):
         payload = args.numel * (2 if codec == "fp16" else 4)
         ideal = 2 * (args.peers - 1) / args.peers * payload
@@ -182,7 +245,7 @@ def main() -> None:
         for system, c in cases.items():
             ratio = (
                 cases["swarmtrain"]["wall_s"] / c["wall_s"]
-                if system == "hivemind" and "swarmtrain" in cases
+                if system != "swarmtrain" and "swarmtrain" in cases
                 else float("nan")
             )
             print(
