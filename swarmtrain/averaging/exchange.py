@@ -12,9 +12,11 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgpack
 import torch
 
 from swarmtrain.averaging.group import Group
+from swarmtrain.averaging.signing import RoundSigner
 from swarmtrain.net import PeerUnreachable, Rejected, RemoteError, RpcError, RpcTimeout, Transport
 
 log = logging.getLogger(__name__)
@@ -106,6 +108,22 @@ class Unsettled:
 
 
 @dataclass
+class Values:
+    """One kind of value the members exchange and relay (reports or digests): what each member sent me itself, with
+    its signature when the group signs, and what each member relayed of all it held."""
+
+    held: dict[str, Any]
+    held_in: dict[str, asyncio.Event]
+    proofs: dict[str, Any]
+    relays: dict[str, dict[str, Any]]
+    relays_in: dict[str, asyncio.Event]
+
+    @classmethod
+    def of(cls, members: tuple[str, ...]) -> Values:
+        return cls({}, {p: asyncio.Event() for p in members}, {}, {}, {p: asyncio.Event() for p in members})
+
+
+@dataclass
 class AllReduceResult:
     average: torch.Tensor
     applied: list[bool]
@@ -134,6 +152,8 @@ class GroupExchange(ABC):
         deadline: float,
         on_part_sent: Callable[[int], None] | None = None,
         tag: str = "",
+        signer: RoundSigner | None = None,
+        equivocate: bool = False,
     ) -> None:
         self.group, self.me, self.transport = group, me, transport
         self.index = group.index(me)
@@ -144,17 +164,15 @@ class GroupExchange(ABC):
         self.liveness = Liveness(transport, self.header)
         self.closed = False  # after the transfer, late payloads must not be stored
         self.bad_senders: set[str] = set()
-        # Reports and digests: what each member sent me itself, and what each relayed of all it held.
-        self.reports: dict[str, list[str | None]] = {}
-        self.reports_in = {p: asyncio.Event() for p in group.members}
-        self.report_relays: dict[str, dict[str, list[str | None]]] = {}
-        self.report_relays_in = {p: asyncio.Event() for p in group.members}
+        self.invalid: dict[str, str] = {}  # senders of messages refused on their merits, and why (``bans``)
+        # Reports and digests, signed by their members when ``signer`` is set (``signing``); a member caught
+        # signing two values of one kind is left out of the view and banned (``equivocators``: who, and why).
+        self.signer = signer
+        self.equivocate = equivocate  # tests only (attack.kind = equivocate): tell half the group other values
+        self.values = {kind: Values.of(group.members) for kind in ("report", "digest")}
+        self.equivocators: dict[str, str] = {}
         self.view: dict[str, list[str | None]] = {}  # the merged reports the decision is made from
         self.applied = [False] * group.size  # the decision, per slot, once ``_agree`` made it
-        self.digests: dict[str, str] = {}
-        self.digests_in = {p: asyncio.Event() for p in group.members}
-        self.digest_relays: dict[str, dict[str, str]] = {}
-        self.digest_relays_in = {p: asyncio.Event() for p in group.members}
         self.on_part_sent = on_part_sent
         self.parts_sent = 0
         self._background: set[asyncio.Future[None]] = set()  # sends to members counted as gone
@@ -224,56 +242,88 @@ class GroupExchange(ABC):
             raise Rejected("digest must be a short string")
         return digest
 
-    def _check_relay(self, relay: Any, check: Callable[[Any], Any]) -> dict[str, Any]:
+    def _check_relay(self, kind: str, relay: Any, check: Callable[[Any], Any], body: bytes) -> dict[str, Any]:
         """A relay lists the distinct values once and maps each member to its value's index (``_pack_relay``):
-        the reports of a large group are mostly identical, and one header holds at most 64 kB."""
+        the reports of a large group are mostly identical, and one header holds at most 64 kB. In a signed group
+        the body maps each member to its signature of its value (about 750 bytes each, so not in the header)."""
         values, owners = (relay.get("values"), relay.get("from")) if isinstance(relay, dict) else (None, None)
         if not isinstance(values, list) or not isinstance(owners, dict):
             raise Rejected("a relay lists values and maps members to them")
         if not all(p in self.group.members and isinstance(i, int) and 0 <= i < len(values) for p, i in owners.items()):
             raise Rejected("a relay maps members of this group to the values it lists")
         checked = [check(v) for v in values]
-        return {peer: checked[i] for peer, i in owners.items()}
+        mapped = {peer: checked[i] for peer, i in owners.items()}
+        if self.signer is not None:
+            try:
+                proofs = msgpack.unpackb(body, raw=False, strict_map_key=True)
+            except (ValueError, msgpack.UnpackException, TypeError):
+                proofs = None
+            if not isinstance(proofs, dict) or not all(
+                self.signer.check(peer, self.route, kind, value, proofs.get(peer)) for peer, value in mapped.items()
+            ):
+                raise Rejected(f"a relayed {kind} without its member's signature")
+            mapped = {peer: (value, proofs[peer]) for peer, value in mapped.items()}
+        return mapped
 
-    @staticmethod
-    def _pack_relay(view: dict[str, Any]) -> dict[str, Any]:
+    def _pack_relay(self, kind: str, view: dict[str, Any]) -> tuple[dict[str, Any], bytes]:
+        """The relay's header, and its body: the members' signatures in a signed group."""
         values: list[Any] = []
         owners = {}
         for peer, value in view.items():
             if value not in values:
                 values.append(value)
             owners[peer] = values.index(value)
-        return {"values": values, "from": owners}
+        if self.signer is None:
+            return {"values": values, "from": owners}, b""
+        proofs = {peer: self.values[kind].proofs[peer] for peer in view}
+        return {"values": values, "from": owners}, msgpack.packb(proofs, use_bin_type=True)
 
-    def on_report(self, sender: str, header: dict[str, Any]) -> None:
+    def on_report(self, sender: str, header: dict[str, Any], body: bytes = b"") -> None:
+        self._on_value("report", "hashes", self._check_report, sender, header, body)
+
+    def on_digest(self, sender: str, header: dict[str, Any], body: bytes = b"") -> None:
+        self._on_value("digest", "digest", self._check_digest, sender, header, body)
+
+    def _on_value(
+        self, kind: str, key: str, check: Callable[[Any], Any], sender: str, header: dict[str, Any], body: bytes
+    ) -> None:
+        """A member's own value, or its relay of all it held. A member's first value stands: a second, different
+        one it signed is proof that it equivocated (it is banned), but only what every survivor sees through the
+        relays may change the view."""
         self._check_member(sender)
-        if "relay" in header:
-            self.report_relays[sender] = self._check_relay(header["relay"], self._check_report)
-            self.report_relays_in[sender].set()
+        values = self.values[kind]
+        try:
+            if "relay" in header:
+                values.relays[sender] = self._check_relay(kind, header["relay"], check, body)
+                values.relays_in[sender].set()
+                return
+            value, proof = check(header.get(key)), header.get("proof")
+            if self.signer is not None and not self.signer.check(sender, self.route, kind, value, proof):
+                raise Rejected(f"a {kind} without a valid signature of its sender")
+        except Rejected as exc:
+            self.invalid.setdefault(sender, str(exc))
+            raise
+        if sender in values.held:
+            if values.held[sender] != value and self.signer is not None:
+                self.equivocators.setdefault(sender, f"signed two different {kind}s in one round")
             return
-        self.reports[sender] = self._check_report(header.get("hashes"))
-        self.reports_in[sender].set()
+        values.held[sender], values.proofs[sender] = value, proof
+        values.held_in[sender].set()
 
-    def on_digest(self, sender: str, header: dict[str, Any]) -> None:
-        self._check_member(sender)
-        if "relay" in header:
-            self.digest_relays[sender] = self._check_relay(header["relay"], self._check_digest)
-            self.digest_relays_in[sender].set()
-            return
-        self.digests[sender] = self._check_digest(header.get("digest"))
-        self.digests_in[sender].set()
+    def _sign(self, kind: str, key: str, value: Any) -> dict[str, Any]:
+        if self.signer is None:
+            return {key: value}
+        proof = self.signer.sign(self.route, kind, value)
+        return {key: value, "proof": proof}
 
-    async def _relayed(
-        self,
-        method: str,
-        key: str,
-        mine: Any,
-        held: dict[str, Any],
-        held_in: dict[str, asyncio.Event],
-        relays: dict[str, dict[str, Any]],
-        relays_in: dict[str, asyncio.Event],
-        deadlines: tuple[float, float],
-    ) -> dict[str, Any]:
+    @staticmethod
+    def _twist(value: Any) -> Any:
+        """Another value of the same shape (attack.kind = equivocate): each hash or digest turned into zeros."""
+        if isinstance(value, list):
+            return [h if h is None else GroupExchange._twist(h) for h in value]
+        return "0" * len(value) if value != "0" * len(value) else "1" * len(value)
+
+    async def _relayed(self, kind: str, key: str, mine: Any, deadlines: tuple[float, float]) -> dict[str, Any]:
         """Two steps of exchange; returns the merged view every decision of this phase is made from.
 
         Step 1: send ``mine`` to every member and wait for theirs. Step 2: relay everything I hold (mine and
@@ -285,15 +335,33 @@ class GroupExchange(ABC):
         time) may wake up and relay it to some survivors before they decide and not to others; a value that
         reached anyone else in step 1 comes to every survivor in that one's relay.
         """
-        held[self.me] = mine
-        await self._exchange(method, {key: mine}, held_in, deadlines[0])
-        view = dict(held)
-        await self._exchange(method, {"relay": self._pack_relay(view)}, relays_in, deadlines[1])
+        values = self.values[kind]
+        payload = self._sign(kind, key, mine)
+        values.held[self.me], values.proofs[self.me] = mine, payload.get("proof")
+        twisted = self._sign(kind, key, self._twist(mine)) if self.equivocate else None
+        await self._exchange(kind, payload, values.held_in, deadlines[0], twisted)
+        view = dict(values.held)
+        relay, proofs = self._pack_relay(kind, view)
+        await self._exchange(kind, {"relay": relay}, values.relays_in, deadlines[1], body=proofs)
+        return self._merge(kind, view, values.relays)
+
+    def _merge(self, kind: str, view: dict[str, Any], relays: dict[str, dict[str, Any]]) -> dict[str, Any]:
+        """What I relayed, plus each value the others relayed for members I held nothing from. In a signed group,
+        a member with two different signed values among them (every survivor holds the same ones) is left out."""
+        seen: dict[str, list[Any]] = {peer: [value] for peer, value in view.items()}
         for sender, relay in list(relays.items()):
-            for peer, value in relay.items():
-                if peer != sender:
-                    view.setdefault(peer, value)
-        return view
+            for peer, entry in relay.items():
+                value = entry[0] if self.signer is not None else entry
+                if peer != sender and value not in seen.setdefault(peer, []):
+                    seen[peer].append(value)
+        merged = {}
+        for peer, values in seen.items():
+            if len(values) > 1 and self.signer is not None and peer != self.me:
+                self.equivocators.setdefault(peer, f"signed {len(values)} different {kind}s in one round")
+                log.warning("member %s signed %d different %ss this round: left out", peer[-8:], len(values), kind)
+                continue
+            merged[peer] = values[0]
+        return merged
 
     async def _agree(self, hashes: list[str | None]) -> list[bool]:
         """Exchange and relay reports of what I hold (one hash or None per member's slot) and return, per slot,
@@ -301,10 +369,7 @@ class GroupExchange(ABC):
 
         Two members' reports are needed: with mine alone I cannot know what anyone else holds or applies.
         """
-        self.view = await self._relayed(
-            "report", "hashes", hashes, self.reports, self.reports_in, self.report_relays, self.report_relays_in,
-            (self.report_deadline, self.relay_deadline),
-        )  # fmt: skip
+        self.view = await self._relayed("report", "hashes", hashes, (self.report_deadline, self.relay_deadline))
         reports = list(self.view.values())
         self.applied = [
             len(reports) >= 2 and reports[0][j] is not None and all(rep[j] == reports[0][j] for rep in reports)
@@ -334,22 +399,25 @@ class GroupExchange(ABC):
         return False
 
     async def _exchange(
-        self, method: str, payload: dict[str, Any], inbox: dict[str, asyncio.Event], deadline: float
-    ) -> None:
+        self, method: str, payload: dict[str, Any], inbox: dict[str, asyncio.Event], deadline: float,
+        twisted: dict[str, Any] | None = None, body: bytes = b"",
+    ) -> None:  # fmt: skip
         """Send my report or digest to every member and wait for theirs from the members still live.
 
         Members I count as gone get mine too, without waiting on them: one I gave up on wrongly (a broken
         stream under load) would otherwise wait for it until the deadline, and hold the round's reports in a
-        different view than everyone else.
+        different view than everyone else. ``twisted``: what every other member gets instead (tests only).
         """
         header = {**self.header, **payload}
+        other = {**self.header, **twisted} if twisted is not None else header
         others = [p for p in self.group.members if p != self.me]
         loop = asyncio.get_running_loop()
         sends = {}
-        for peer in others:
+        for i, peer in enumerate(others):
             gone = peer in self.liveness.dead
             until = min(deadline, loop.time() + GONE_SEND_S) if gone else deadline
-            sends[peer] = asyncio.ensure_future(self._send_small(peer, method, header, until))
+            sent = other if i % 2 else header
+            sends[peer] = asyncio.ensure_future(self._send_small(peer, method, sent, until, body))
         for peer in others:
             if peer not in self.liveness.dead:
                 await self.wait_on(inbox[peer], peer, deadline)
@@ -359,7 +427,9 @@ class GroupExchange(ABC):
                 task.add_done_callback(self._background.discard)
         await asyncio.gather(*(t for t in sends.values() if t not in self._background))
 
-    async def _send_small(self, peer: str, method: str, header: dict[str, Any], deadline: float) -> None:
+    async def _send_small(
+        self, peer: str, method: str, header: dict[str, Any], deadline: float, body: bytes = b""
+    ) -> None:
         """Send a report or digest; a broken stream is retried while time is left, sooner as the deadline nears (a
         relay lost to one reset just before the deadline leaves the receiver's view short of what the others
         hold). A peer that still cannot be reached is pinged, not counted gone: a broken link from me is no
@@ -368,7 +438,7 @@ class GroupExchange(ABC):
         loop = asyncio.get_running_loop()
         for attempt in range(SMALL_ATTEMPTS):
             try:
-                await self.transport.call(peer, method, header, timeout=max(deadline - loop.time(), 0.01))
+                await self.transport.call(peer, method, header, body, timeout=max(deadline - loop.time(), 0.01))
                 return
             except PeerUnreachable as exc:
                 left = deadline - loop.time()
@@ -399,10 +469,7 @@ class GroupExchange(ABC):
         self.deadline = max(self.deadline, loop.time() + floor_s)
         half = loop.time() + 0.5 * (self.deadline - loop.time())
         try:
-            return await self._relayed(
-                "digest", "digest", digest, self.digests, self.digests_in, self.digest_relays, self.digest_relays_in,
-                (half, self.deadline),
-            )  # fmt: skip
+            return await self._relayed("digest", "digest", digest, (half, self.deadline))
         finally:
             self.liveness.close()
 
