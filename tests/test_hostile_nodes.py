@@ -5,8 +5,12 @@ from __future__ import annotations
 import math
 import subprocess
 import sys
+import typing
 
 import pytest
+
+from swarmtrain.averaging.attack import KINDS
+from swarmtrain.config import AttackConfig
 
 from .swarm import Swarm
 from .test_swarm import digests_by_round
@@ -19,6 +23,11 @@ def test_a_node_refuses_an_attack_not_marked_test_only() -> None:
     )  # fmt: skip
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert "attack.test_only = true" in proc.stdout + proc.stderr
+
+
+def test_every_attack_kind_can_be_set_on_a_node() -> None:
+    kinds = typing.get_args(AttackConfig.model_fields["kind"].annotation)
+    assert set(kinds) == {"", *KINDS}
 
 
 @pytest.mark.slow
