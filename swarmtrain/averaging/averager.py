@@ -40,7 +40,6 @@ log = logging.getLogger(__name__)
 PROTOCOL_VERSION = 7
 _ROUTE_WAIT = 5.0  # a member may hear of its group a moment after a peer that already sends
 _SMALL = 1 << 16
-_RELAY = 1 << 18  # a relay's signatures: about 800 bytes per member, groups of up to 256 (``exchange``)
 _LEDGERS = 8  # decisions of the last rounds this member confirmed, served to members that could not
 LEDGER_TIMEOUT = 5.0
 _MAX_ROUTES = 64
@@ -159,8 +158,9 @@ class Averager:
             await self.transport.serve_stream(
                 method, self._routed_stream(method), max_body=self.max_body, max_frames=self.max_frames
             )
-        await self.transport.serve("report", self._routed(lambda ar, s, h, b: ar.on_report(s, h, b)), max_body=_RELAY)
-        await self.transport.serve("digest", self._routed(lambda ar, s, h, b: ar.on_digest(s, h, b)), max_body=_RELAY)
+        await self.transport.serve("report", self._routed(lambda ar, s, h: ar.on_report(s, h)), max_body=_SMALL)
+        await self.transport.serve("digest", self._routed(lambda ar, s, h: ar.on_digest(s, h)), max_body=_SMALL)
+        await self.transport.serve("proofs", self._on_proofs, max_body=_SMALL)
         await self.transport.serve("join", self._on_join, max_body=_SMALL)
         await self.transport.serve("ping", self._on_ping, max_body=_SMALL)
         await self.transport.serve("ledger", self._on_ledger, max_body=_SMALL)
@@ -208,12 +208,17 @@ class Averager:
                 del self._routes[group_id]
             raise Rejected(f"no group {group_id} here", code="no-group") from None
 
-    def _routed(self, action: Callable[[GroupExchange, str, dict[str, Any], bytes], None]) -> Handler:
+    def _routed(self, action: Callable[[GroupExchange, str, dict[str, Any]], None]) -> Handler:
         async def handler(sender: str, header: dict[str, Any], body: bytes) -> tuple[dict[str, Any], bytes]:
-            action(await self._allreduce_for(header, sender), sender, header, body)
+            action(await self._allreduce_for(header, sender), sender, header)
             return {}, b""
 
         return handler
+
+    async def _on_proofs(self, sender: str, header: dict[str, Any], body: bytes) -> tuple[dict[str, Any], bytes]:
+        """A group member asks for the signed reports or digests I relayed to it (``exchange._merge``); served
+        while the round's route is kept, after my own round is over too."""
+        return {}, (await self._allreduce_for(header, sender)).on_proofs(sender, header)
 
     def _routed_stream(self, method: str) -> StreamHandler:
         async def handler(

@@ -16,7 +16,7 @@ import msgpack
 import torch
 
 from swarmtrain.averaging.group import Group
-from swarmtrain.averaging.signing import RoundSigner
+from swarmtrain.averaging.signing import MAX_KEY_BYTES, MAX_SIG_BYTES, RoundSigner
 from swarmtrain.net import PeerUnreachable, Rejected, RemoteError, RpcError, RpcTimeout, Transport
 
 log = logging.getLogger(__name__)
@@ -186,6 +186,7 @@ class GroupExchange(ABC):
         self.transfer_deadline = loop_now + 0.75 * span
         self.report_deadline = loop_now + 0.82 * span
         self.relay_deadline = loop_now + 0.88 * span
+        self.proof_deadline = loop_now + 0.91 * span  # signed groups: relayed values that differ, proven
 
     async def wait_on(self, done: asyncio.Event, peer: str, deadline: float) -> bool:
         """Wait until ``done``, ``peer`` is found gone or the deadline; ``peer`` is pinged only while I wait on it
@@ -242,51 +243,53 @@ class GroupExchange(ABC):
             raise Rejected("digest must be a short string")
         return digest
 
-    def _check_relay(self, kind: str, relay: Any, check: Callable[[Any], Any], body: bytes) -> dict[str, Any]:
+    def _check_relay(self, relay: Any, check: Callable[[Any], Any]) -> dict[str, Any]:
         """A relay lists the distinct values once and maps each member to its value's index (``_pack_relay``):
-        the reports of a large group are mostly identical, and one header holds at most 64 kB. In a signed group
-        the body maps each member to its signature of its value (about 750 bytes each, so not in the header)."""
+        the reports of a large group are mostly identical, and one header holds at most 64 kB. It carries no
+        signatures: a member asks the relayer for them only where the relay differs from what it holds
+        (``_merge``), so an honest round costs one signature per message, not one per member per relay."""
         values, owners = (relay.get("values"), relay.get("from")) if isinstance(relay, dict) else (None, None)
         if not isinstance(values, list) or not isinstance(owners, dict):
             raise Rejected("a relay lists values and maps members to them")
         if not all(p in self.group.members and isinstance(i, int) and 0 <= i < len(values) for p, i in owners.items()):
             raise Rejected("a relay maps members of this group to the values it lists")
         checked = [check(v) for v in values]
-        mapped = {peer: checked[i] for peer, i in owners.items()}
-        if self.signer is not None:
-            try:
-                proofs = msgpack.unpackb(body, raw=False, strict_map_key=True)
-            except (ValueError, msgpack.UnpackException, TypeError):
-                proofs = None
-            if not isinstance(proofs, dict) or not all(
-                self.signer.check(peer, self.route, kind, value, proofs.get(peer)) for peer, value in mapped.items()
-            ):
-                raise Rejected(f"a relayed {kind} without its member's signature")
-            mapped = {peer: (value, proofs[peer]) for peer, value in mapped.items()}
-        return mapped
+        return {peer: checked[i] for peer, i in owners.items()}
 
-    def _pack_relay(self, kind: str, view: dict[str, Any]) -> tuple[dict[str, Any], bytes]:
-        """The relay's header, and its body: the members' signatures in a signed group."""
+    @staticmethod
+    def _pack_relay(view: dict[str, Any]) -> dict[str, Any]:
         values: list[Any] = []
         owners = {}
         for peer, value in view.items():
             if value not in values:
                 values.append(value)
             owners[peer] = values.index(value)
-        if self.signer is None:
-            return {"values": values, "from": owners}, b""
-        proofs = {peer: self.values[kind].proofs[peer] for peer in view}
-        return {"values": values, "from": owners}, msgpack.packb(proofs, use_bin_type=True)
+        return {"values": values, "from": owners}
 
-    def on_report(self, sender: str, header: dict[str, Any], body: bytes = b"") -> None:
-        self._on_value("report", "hashes", self._check_report, sender, header, body)
+    def on_report(self, sender: str, header: dict[str, Any]) -> None:
+        self._on_value("report", "hashes", self._check_report, sender, header)
 
-    def on_digest(self, sender: str, header: dict[str, Any], body: bytes = b"") -> None:
-        self._on_value("digest", "digest", self._check_digest, sender, header, body)
+    def on_digest(self, sender: str, header: dict[str, Any]) -> None:
+        self._on_value("digest", "digest", self._check_digest, sender, header)
 
-    def _on_value(
-        self, kind: str, key: str, check: Callable[[Any], Any], sender: str, header: dict[str, Any], body: bytes
-    ) -> None:
+    def on_proofs(self, sender: str, header: dict[str, Any]) -> bytes:
+        """The values I hold directly from the members asked for, with their signatures (a msgpack body: a large
+        group's would not fit a header): a member whose relay from me differs from what it holds asks me to prove
+        it (``_merge``)."""
+        self._check_member(sender)
+        kind, members = header.get("kind"), header.get("members")
+        if kind not in self.values or not isinstance(members, list) or len(members) > self.group.size:
+            raise Rejected("a proof request names a kind and at most the group's members")
+        values = self.values[kind]
+        held = {p: [values.held[p], values.proofs[p]] for p in members if isinstance(p, str) and p in values.held}
+        return msgpack.packb(held, use_bin_type=True)
+
+    def _proofs_bound(self, members: int) -> int:
+        """The most bytes a proof answer for ``members`` can legitimately take: a report (a hash per member) and a
+        signature with its key per member."""
+        return members * (self.group.size * 70 + MAX_SIG_BYTES + MAX_KEY_BYTES + 64) + 64
+
+    def _on_value(self, kind: str, key: str, check: Callable[[Any], Any], sender: str, header: dict[str, Any]) -> None:
         """A member's own value, or its relay of all it held. A member's first value stands: a second, different
         one it signed is proof that it equivocated (it is banned), but only what every survivor sees through the
         relays may change the view."""
@@ -294,7 +297,7 @@ class GroupExchange(ABC):
         values = self.values[kind]
         try:
             if "relay" in header:
-                values.relays[sender] = self._check_relay(kind, header["relay"], check, body)
+                values.relays[sender] = self._check_relay(header["relay"], check)
                 values.relays_in[sender].set()
                 return
             value, proof = check(header.get(key)), header.get("proof")
@@ -323,7 +326,7 @@ class GroupExchange(ABC):
             return [h if h is None else GroupExchange._twist(h) for h in value]
         return "0" * len(value) if value != "0" * len(value) else "1" * len(value)
 
-    async def _relayed(self, kind: str, key: str, mine: Any, deadlines: tuple[float, float]) -> dict[str, Any]:
+    async def _relayed(self, kind: str, key: str, mine: Any, deadlines: tuple[float, float, float]) -> dict[str, Any]:
         """Two steps of exchange; returns the merged view every decision of this phase is made from.
 
         Step 1: send ``mine`` to every member and wait for theirs. Step 2: relay everything I hold (mine and
@@ -333,7 +336,8 @@ class GroupExchange(ABC):
         What arrives directly after I relayed is not in my view (it would be in no one else's). Nor is a member's
         value that only its own relay carries: a member that stalled through step 1 (its value reached no one in
         time) may wake up and relay it to some survivors before they decide and not to others; a value that
-        reached anyone else in step 1 comes to every survivor in that one's relay.
+        reached anyone else in step 1 comes to every survivor in that one's relay. In a signed group, step 3 (until
+        the third deadline) asks relayers to prove values that differ from mine (``_merge``).
         """
         values = self.values[kind]
         payload = self._sign(kind, key, mine)
@@ -341,27 +345,81 @@ class GroupExchange(ABC):
         twisted = self._sign(kind, key, self._twist(mine)) if self.equivocate else None
         await self._exchange(kind, payload, values.held_in, deadlines[0], twisted)
         view = dict(values.held)
-        relay, proofs = self._pack_relay(kind, view)
-        await self._exchange(kind, {"relay": relay}, values.relays_in, deadlines[1], body=proofs)
-        return self._merge(kind, view, values.relays)
+        await self._exchange(kind, {"relay": self._pack_relay(view)}, values.relays_in, deadlines[1])
+        relays = {sender: dict(relay) for sender, relay in values.relays.items()}  # what came by the deadline
+        if self.signer is None:
+            for sender, relay in relays.items():
+                for peer, value in relay.items():
+                    if peer != sender:
+                        view.setdefault(peer, value)
+            return view
+        return await self._merge(kind, view, relays, deadlines[2])
 
-    def _merge(self, kind: str, view: dict[str, Any], relays: dict[str, dict[str, Any]]) -> dict[str, Any]:
-        """What I relayed, plus each value the others relayed for members I held nothing from. In a signed group,
-        a member with two different signed values among them (every survivor holds the same ones) is left out."""
-        seen: dict[str, list[Any]] = {peer: [value] for peer, value in view.items()}
-        for sender, relay in list(relays.items()):
-            for peer, entry in relay.items():
-                value = entry[0] if self.signer is not None else entry
-                if peer != sender and value not in seen.setdefault(peer, []):
-                    seen[peer].append(value)
+    async def _merge(
+        self, kind: str, view: dict[str, Any], relays: dict[str, dict[str, Any]], deadline: float
+    ) -> dict[str, Any]:
+        """The signed view: what I hold directly (each value checked against its sender's signature), and what
+        the relays add, proven. A relayed value that differs from mine, or that I hold nothing for, is asked of
+        its relayer with its member's signature: a relayer that cannot prove what it relayed is refused and
+        banned (it put words in another member's mouth); a member with two different proven values equivocated
+        and is left out (every survivor holds the same relays, and asks and gets the same proofs). A value that
+        stays unproven (its relayer died before it answered) counts only if no proven one does and the unproven
+        ones agree."""
+        asked: dict[str, set[str]] = {}
+        for sender, relay in relays.items():
+            for peer, value in relay.items():
+                if peer not in (sender, self.me) and (peer not in view or view[peer] != value):
+                    asked.setdefault(sender, set()).add(peer)
+        proofs = await asyncio.gather(*(self._prove(kind, s, sorted(p), deadline) for s, p in asked.items()))
+        answers = dict(zip(asked, proofs, strict=True))
+        proven: dict[str, list[Any]] = {peer: [value] for peer, value in view.items()}
+        unproven: dict[str, list[Any]] = {}
+        for sender, relay in relays.items():
+            for peer, value in relay.items():
+                if peer in (sender, self.me) or (peer in view and view[peer] == value):
+                    continue
+                answer = answers.get(sender)
+                if answer is None:
+                    unproven.setdefault(peer, []).append(value)
+                elif answer.get(peer, (None,))[0] == value and value not in proven.setdefault(peer, []):
+                    proven[peer].append(value)
+                elif answer.get(peer, (None,))[0] != value:
+                    self.invalid.setdefault(sender, f"relayed a {kind} of {peer[-8:]} it could not prove")
         merged = {}
-        for peer, values in seen.items():
-            if len(values) > 1 and self.signer is not None and peer != self.me:
-                self.equivocators.setdefault(peer, f"signed {len(values)} different {kind}s in one round")
-                log.warning("member %s signed %d different %ss this round: left out", peer[-8:], len(values), kind)
-                continue
-            merged[peer] = values[0]
-        return merged
+        for peer in {*proven, *unproven}:
+            held = proven.get(peer, [])
+            if len(held) > 1:
+                self.equivocators.setdefault(peer, f"signed {len(held)} different {kind}s in one round")
+                log.warning("member %s signed %d different %ss this round: left out", peer[-8:], len(held), kind)
+            elif held:
+                merged[peer] = held[0]
+            elif len({repr(v) for v in unproven[peer]}) == 1:
+                merged[peer] = unproven[peer][0]
+        return {peer: merged[peer] for peer in self.group.members if peer in merged}
+
+    async def _prove(self, kind: str, relayer: str, members: list[str], deadline: float) -> dict[str, Any] | None:
+        """Ask ``relayer`` for the signed values it holds of ``members``; the proven ones, or None if it did not
+        answer in time."""
+        assert self.signer is not None
+        timeout = deadline - asyncio.get_running_loop().time()
+        if timeout <= 0:
+            return None
+        header = {**self.header, "kind": kind, "members": members}
+        try:
+            _, body = await self.transport.call(
+                relayer, "proofs", header, timeout=timeout, max_reply=self._proofs_bound(len(members))
+            )
+            held = msgpack.unpackb(body, raw=False, strict_map_key=True)
+        except (PeerUnreachable, RpcTimeout, RemoteError):
+            return None
+        except (ValueError, msgpack.UnpackException, TypeError):
+            held = None  # an answer that is no proof: what it relayed stays unproven, and it is banned below
+        proven: dict[str, Any] = {}
+        for peer, entry in (held if isinstance(held, dict) else {}).items():
+            if isinstance(entry, list) and len(entry) == 2 and peer in members:
+                if self.signer.check(peer, self.route, kind, entry[0], entry[1]):
+                    proven[peer] = (entry[0],)
+        return proven
 
     async def _agree(self, hashes: list[str | None]) -> list[bool]:
         """Exchange and relay reports of what I hold (one hash or None per member's slot) and return, per slot,
@@ -369,7 +427,8 @@ class GroupExchange(ABC):
 
         Two members' reports are needed: with mine alone I cannot know what anyone else holds or applies.
         """
-        self.view = await self._relayed("report", "hashes", hashes, (self.report_deadline, self.relay_deadline))
+        deadlines = (self.report_deadline, self.relay_deadline, self.proof_deadline)
+        self.view = await self._relayed("report", "hashes", hashes, deadlines)
         reports = list(self.view.values())
         self.applied = [
             len(reports) >= 2 and reports[0][j] is not None and all(rep[j] == reports[0][j] for rep in reports)
@@ -400,7 +459,7 @@ class GroupExchange(ABC):
 
     async def _exchange(
         self, method: str, payload: dict[str, Any], inbox: dict[str, asyncio.Event], deadline: float,
-        twisted: dict[str, Any] | None = None, body: bytes = b"",
+        twisted: dict[str, Any] | None = None,
     ) -> None:  # fmt: skip
         """Send my report or digest to every member and wait for theirs from the members still live.
 
@@ -417,7 +476,7 @@ class GroupExchange(ABC):
             gone = peer in self.liveness.dead
             until = min(deadline, loop.time() + GONE_SEND_S) if gone else deadline
             sent = other if i % 2 else header
-            sends[peer] = asyncio.ensure_future(self._send_small(peer, method, sent, until, body))
+            sends[peer] = asyncio.ensure_future(self._send_small(peer, method, sent, until))
         for peer in others:
             if peer not in self.liveness.dead:
                 await self.wait_on(inbox[peer], peer, deadline)
@@ -427,9 +486,7 @@ class GroupExchange(ABC):
                 task.add_done_callback(self._background.discard)
         await asyncio.gather(*(t for t in sends.values() if t not in self._background))
 
-    async def _send_small(
-        self, peer: str, method: str, header: dict[str, Any], deadline: float, body: bytes = b""
-    ) -> None:
+    async def _send_small(self, peer: str, method: str, header: dict[str, Any], deadline: float) -> None:
         """Send a report or digest; a broken stream is retried while time is left, sooner as the deadline nears (a
         relay lost to one reset just before the deadline leaves the receiver's view short of what the others
         hold). A peer that still cannot be reached is pinged, not counted gone: a broken link from me is no
@@ -438,7 +495,7 @@ class GroupExchange(ABC):
         loop = asyncio.get_running_loop()
         for attempt in range(SMALL_ATTEMPTS):
             try:
-                await self.transport.call(peer, method, header, body, timeout=max(deadline - loop.time(), 0.01))
+                await self.transport.call(peer, method, header, timeout=max(deadline - loop.time(), 0.01))
                 return
             except PeerUnreachable as exc:
                 left = deadline - loop.time()
@@ -468,8 +525,10 @@ class GroupExchange(ABC):
         loop = asyncio.get_running_loop()
         self.deadline = max(self.deadline, loop.time() + floor_s)
         half = loop.time() + 0.5 * (self.deadline - loop.time())
+        # A signed group keeps the last eighth for proofs of relayed digests that differ (``_merge``).
+        relayed = self.deadline if self.signer is None else half + 0.75 * (self.deadline - half)
         try:
-            return await self._relayed("digest", "digest", digest, (half, self.deadline))
+            return await self._relayed("digest", "digest", digest, (half, relayed, self.deadline))
         finally:
             self.liveness.close()
 

@@ -1,18 +1,21 @@
 """Signed reports and digests: a member that tells the members of its group different things is caught.
 
 A node signs every report and digest it sends in a round with its libp2p identity key (the key its DHT record is
-signed with, ``dht.identity``), over the round's route, the message kind and the value; a relay carries the
-signature of each value it relays. A receiver checks every signature against the key the member's peer id derives
-from, so a relay cannot put words in another member's mouth (unsigned, one hostile relayer could "show" a
-conflict for every honest member and have them all left out).
+signed with, ``dht.identity``), over the round's route, the message kind and the value; the message carries the
+signature and the public key, which a receiver checks against the member's peer id (peer ids are hashes of these
+keys). Relays carry values only. A member asks a relayer for the signature of each relayed value that differs
+from what it holds, or that it holds nothing for (``exchange._merge``), so an honest round costs one signature
+per message (about 750 bytes), not one per member per relay; and a relayer cannot put words in another member's
+mouth: one that cannot prove what it relayed is banned, and the value does not count.
 
 Two different values for one member, both signed by it, prove that it equivocated (told some members one thing
 and others another). Every honest survivor sees both: each relays the value it received directly, so the
-survivors hold the same values per member (``exchange``), and each leaves that member's value out of its view and
-bans it. Unsigned, the survivors each kept the first value they held, and the member split the group's decision.
+survivors hold the same relays, ask for and get the same proofs, leave the member's value out of their views
+and ban it. Unsigned, the survivors each kept the first value they held, and the member split the group's
+decision.
 
-What it does not cover: peers that collude (one equivocates, another relays selectively), and a value that reached
-only a hostile member before the honest sender died (two faults at once).
+What it does not cover: peers that collude (one equivocates, another relays selectively or withholds proofs
+from some members), and a value that reached only a hostile member before the honest sender died (two faults).
 """
 
 from __future__ import annotations
