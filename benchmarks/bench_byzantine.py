@@ -7,7 +7,8 @@
 In process, over the in-memory transport (``MemoryNetwork``): eight real ``Averager``s and eight real trainers
 (``swarmtrain.node.inner``, the standard trainer) of one small model on the default corpus, trained in turn on
 this machine; a round is H inner steps per member, then one group round of all eight (DiLoCo outer step: Nesterov,
-lr 0.7, momentum 0.9, fp16 updates) with a node's default bans (``averaging.ban_rounds``). Hostile members train
+lr 0.7, momentum 0.9, fp16 updates) with a node's default bans (``averaging.ban_rounds``), reports and digests
+signed with identity keys as a node's are. Hostile members train
 like the others and replace their contribution with ``attack.kind`` (``swarmtrain/averaging/attack.py``); a
 banned one trains and waits alone until its ban ends. Real node processes run the same code path (``attack.kind``
 in a node's config); this benchmark stays in process so that one run of all of it fits in minutes on 2 cores.
@@ -26,13 +27,16 @@ import math
 import time
 
 import torch
+from hivemind.utils.crypto import RSAPrivateKey
 
 from swarmtrain.averaging import Averager, leader_candidates
 from swarmtrain.averaging.attack import KINDS, Attack
 from swarmtrain.averaging.robust import parse_aggregator
+from swarmtrain.averaging.signing import RoundSigner
 from swarmtrain.compression import get_codec
 from swarmtrain.config import Config
 from swarmtrain.data import load_corpus
+from swarmtrain.dht.identity import peer_id_of
 from swarmtrain.net import MemoryNetwork
 from swarmtrain.node.inner import build_inner_loop
 
@@ -51,17 +55,25 @@ def small_config(threads: int) -> Config:
     )  # fmt: skip
 
 
-async def one_run(config, corpus, aggregator: str, kind: str | None, hostile: int, rounds: int, steps: int) -> dict:
+def identities() -> list[tuple[str, RSAPrivateKey]]:
+    """An identity key per member, as nodes have (they sign their reports and digests), sorted by peer id."""
+    keys = [RSAPrivateKey() for _ in range(MEMBERS)]
+    return sorted((peer_id_of(key.get_public_key().to_bytes()), key) for key in keys)
+
+
+async def one_run(
+    config, corpus, keys, aggregator: str, kind: str | None, hostile: int, rounds: int, steps: int
+) -> dict:  # fmt: skip
     net = MemoryNetwork()
     trainers = [build_inner_loop(config, corpus, data_seed=i) for i in range(MEMBERS)]
     theta0 = trainers[0].vector()
     averagers = []
-    for i in range(MEMBERS):
+    for i, (peer, key) in enumerate(keys):
         attack = Attack(kind, seed=i) if kind and i >= MEMBERS - hostile else None
         codec = get_codec("fp16")
         averagers.append(
             Averager(
-                net.transport(f"peer{i}"),
+                net.transport(peer),
                 theta0.clone(),
                 run_id="bench",
                 group_size=16,
@@ -75,6 +87,7 @@ async def one_run(config, corpus, aggregator: str, kind: str | None, hostile: in
                 aggregator=parse_aggregator(aggregator),
                 attack=attack,
                 ban_rounds=config.averaging.ban_rounds,
+                signer=RoundSigner(key),
             )  # fmt: skip
         )
     for a in averagers:
@@ -120,6 +133,7 @@ def main() -> None:
     config = small_config(args.threads)
     torch.set_num_threads(args.threads)
     corpus = load_corpus(config.data)
+    keys = identities()
     runs: list[tuple[str, str | None, int]] = [("mean", None, 0), (args.robust, None, 0)]
     for hostile in args.hostile:
         runs += [(args.robust, kind, hostile) for kind in args.kinds]
@@ -131,7 +145,7 @@ def main() -> None:
     clean = None
     for aggregator, kind, hostile in runs:
         started = time.perf_counter()
-        r = asyncio.run(one_run(config, corpus, aggregator, kind, hostile, args.rounds, args.steps))
+        r = asyncio.run(one_run(config, corpus, keys, aggregator, kind, hostile, args.rounds, args.steps))
         clean = clean if clean is not None else r["bpb"]
         gap = r["bpb"] / clean - 1
         ok = r["finite"] and r["identical"] and gap <= 0.05

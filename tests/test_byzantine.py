@@ -5,21 +5,26 @@ Eight members, two of them hostile, FedAvg outer step (lr 1, no momentum), so th
 combined update. Honest updates are a shared direction plus noise. Checked every round: the honest members apply
 bit-identical states (one digest), theta_g stays finite, and the applied update is within HALF the honest mean's
 norm of the honest mean (the bound); with ``mean`` the same attack (but nan, which the payload check refuses for
-every aggregator) moves it further than that, so the test can fail.
+every aggregator) moves it further than that, so the test can fail. Members sign their reports and digests with
+identity keys, as nodes do; unsigned, equivocating members split the honest ones.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 
 import pytest
 import torch
+from hivemind.utils.crypto import RSAPrivateKey
 
-from swarmtrain.averaging import Averager, leader_candidates
+from swarmtrain.averaging import Averager, RoundOutcome, leader_candidates
 from swarmtrain.averaging.attack import KINDS, Attack
 from swarmtrain.averaging.robust import parse_aggregator
+from swarmtrain.averaging.signing import RoundSigner
 from swarmtrain.compression import get_codec
 from swarmtrain.config import Config
+from swarmtrain.dht.identity import peer_id_of
 from swarmtrain.net import MemoryNetwork
 
 NUMEL = 8_000
@@ -27,15 +32,22 @@ MEMBERS, HOSTILE = 8, 2
 BOUND = 0.5  # |applied - honest mean| <= BOUND * |honest mean|
 
 
-def make_group(aggregator: str, kind: str, codec: str = "fp32") -> list[Averager]:
+@functools.cache
+def identities() -> list[tuple[str, RSAPrivateKey]]:
+    """One identity key per member (made once: RSA key generation takes a while), and its peer id."""
+    keys = [RSAPrivateKey() for _ in range(MEMBERS)]
+    return sorted((peer_id_of(key.get_public_key().to_bytes()), key) for key in keys)  # hostile ones: highest ids
+
+
+def make_group(aggregator: str, kind: str, codec: str = "fp32", signed: bool = True) -> list[Averager]:
     net = MemoryNetwork()
     averagers = []
-    for i in range(MEMBERS):
+    for i, (peer, key) in enumerate(identities()):
         attack = Attack(kind, seed=i) if i >= MEMBERS - HOSTILE else None
         up = attack.wrap_codec(get_codec(codec)) if attack else get_codec(codec)
         averagers.append(
             Averager(
-                net.transport(f"peer{i}"),
+                net.transport(peer),
                 torch.zeros(NUMEL),
                 run_id="test",
                 group_size=16,
@@ -48,9 +60,22 @@ def make_group(aggregator: str, kind: str, codec: str = "fp32") -> list[Averager
                 deadline_factor=4.0,
                 aggregator=parse_aggregator(aggregator),
                 attack=attack,
+                signer=RoundSigner(key) if signed else None,
             )  # fmt: skip
         )
     return averagers
+
+
+async def play_round(
+    averagers: list[Averager], deltas: list[torch.Tensor], weights: list[float]
+) -> list[RoundOutcome]:
+    peers = [a.me for a in averagers]
+    return await asyncio.gather(
+        *(
+            a.run_round(d, w, leader_candidates(peers, a.me, 16, "test", a.round), set(peers), gather_timeout=5.0)
+            for a, d, w in zip(averagers, deltas, weights, strict=True)
+        )
+    )
 
 
 async def deviation_per_round(
@@ -59,7 +84,6 @@ async def deviation_per_round(
     """Run ``rounds`` rounds; per round, the applied update's distance to the honest mean over its norm."""
     for a in averagers:
         await a.start()
-    peers = [a.me for a in averagers]
     honest = averagers[: MEMBERS - HOSTILE]
     generator = torch.Generator().manual_seed(1)
     deviations = []
@@ -68,12 +92,7 @@ async def deviation_per_round(
         deltas = [signal + 0.3 * torch.randn(NUMEL, generator=generator) for _ in averagers]
         weights = [weight_of(i) for i in range(MEMBERS)]
         before = honest[0].outer.theta.clone()
-        outcomes = await asyncio.gather(
-            *(
-                a.run_round(d, w, leader_candidates(peers, a.me, 16, "test", a.round), set(peers), gather_timeout=5.0)
-                for a, d, w in zip(averagers, deltas, weights, strict=True)
-            )
-        )
+        outcomes = await play_round(averagers, deltas, weights)
         digests = {o.digest for o in outcomes[: len(honest)]}
         assert len(digests) == 1, f"honest members hold {len(digests)} different states: {outcomes[: len(honest)]}"
         assert all(o.group.size == MEMBERS for o in outcomes), [o.group.size for o in outcomes]
@@ -101,7 +120,7 @@ async def test_the_robust_default_bounds_each_attack_and_keeps_honest_replicas_i
     assert max(deviations) <= BOUND, f"{kind} moved theta_g by {deviations} of the honest update (bound {BOUND})"
 
 
-@pytest.mark.parametrize("kind", [k for k in KINDS if k != "nan"])
+@pytest.mark.parametrize("kind", [k for k in KINDS if k not in ("nan", "equivocate")])
 async def test_with_the_plain_mean_the_same_attack_moves_the_model(kind: str) -> None:
     deviations = await deviation_per_round(make_group("mean", kind), rounds=1)
     floor = 0.1 if kind == "alie" else BOUND  # alie is small by design: it hides among honest updates
@@ -144,6 +163,36 @@ async def test_a_peer_caught_sending_invalid_payloads_is_banned_from_the_next_ro
     last = outcomes[: len(honest)]
     assert all(o.group.size == len(honest) and o.outcome == "applied" for o in last), last
     assert all(o.group.size == 1 for o in outcomes[len(honest) :])
+
+
+async def equivocation_round(signed: bool) -> tuple[list[Averager], list[RoundOutcome]]:
+    """One round in which both hostile members tell every second member other reports and digests."""
+    averagers = make_group("centered-clip", "equivocate", signed=signed)
+    for a in averagers:
+        a.matchmaker.bans.rounds = 3
+        await a.start()
+    deltas = [torch.randn(NUMEL, generator=torch.Generator().manual_seed(i)) for i in range(MEMBERS)]
+    return averagers, await play_round(averagers, deltas, [100.0] * MEMBERS)
+
+
+async def test_equivocating_members_are_left_out_and_banned_by_every_honest_member() -> None:
+    """Each honest member sees both signed values of each hostile member through the relays, leaves them out of its
+    view and bans them: every honest member applies the same decision at once (none needs a resync)."""
+    averagers, outcomes = await equivocation_round(signed=True)
+    honest, hostile = outcomes[: MEMBERS - HOSTILE], averagers[MEMBERS - HOSTILE :]
+    assert {o.outcome for o in honest} == {"applied"} and len({o.digest for o in honest}) == 1, honest
+    for a in averagers[: MEMBERS - HOSTILE]:
+        assert set(a.matchmaker.bans.active(1)) == {h.me for h in hostile}
+        assert "signed 2 different reports" in (a.matchmaker.bans.reason(hostile[0].me, 1) or "")
+
+
+async def test_unsigned_equivocating_members_split_the_honest_ones_decision() -> None:
+    """Why reports and digests are signed: unsigned, a relay proves nothing of what a member said, so each honest
+    member kept the value it held first: the members told the other report applied nothing, the others the whole
+    update, and the group's honest members ended the round holding different states."""
+    _, outcomes = await equivocation_round(signed=False)
+    honest = outcomes[: MEMBERS - HOSTILE]
+    assert {o.outcome for o in honest} == {"applied", "diverged"} and len({o.digest for o in honest}) == 2, honest
 
 
 def test_shards_rotate_so_a_member_left_out_every_round_does_not_freeze_the_same_coordinates() -> None:

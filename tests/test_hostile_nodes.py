@@ -5,8 +5,12 @@ from __future__ import annotations
 import math
 import subprocess
 import sys
+import typing
 
 import pytest
+
+from swarmtrain.averaging.attack import KINDS
+from swarmtrain.config import AttackConfig
 
 from .swarm import Swarm
 from .test_swarm import digests_by_round
@@ -19,6 +23,11 @@ def test_a_node_refuses_an_attack_not_marked_test_only() -> None:
     )  # fmt: skip
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert "attack.test_only = true" in proc.stdout + proc.stderr
+
+
+def test_every_attack_kind_can_be_set_on_a_node() -> None:
+    kinds = typing.get_args(AttackConfig.model_fields["kind"].annotation)
+    assert set(kinds) == {"", *KINDS}
 
 
 @pytest.mark.slow
@@ -39,3 +48,28 @@ def test_a_sign_flipping_node_leaves_the_honest_nodes_identical_and_finite(swarm
     assert all(r["group_size"] == 4 for r in swarm.rounds("n0")), swarm.rounds("n0")
     final = [r for r in swarm.metrics("n0") if r["kind"] == "final"][0]
     assert math.isfinite(final["bpb"]) and final["bpb"] < 8.0, final
+
+
+@pytest.mark.slow
+def test_an_equivocating_node_is_banned_and_the_honest_nodes_stay_identical(swarm: Swarm) -> None:
+    """Three honest nodes and one that tells every second member of its group other reports and digests, each
+    signed with its identity key. Every honest node sees both values through the relays, leaves it out of round
+    0's decision and bans it; rounds 1 and 2 run without it. Every round ends with one digest among the honest."""
+    names = ["n0", "n1", "n2", "bad"]
+    hostile = ["attack.kind=equivocate", "attack.test_only=true"]
+    swarm.start("n0", 3, extra=["node.min_peers=4"])
+    first = swarm.join_line("n0")
+    for name in names[1:]:
+        swarm.start(name, 3, join=first, extra=["node.min_peers=4", *(hostile if name == "bad" else [])])
+    swarm.wait(names[:3], timeout=240)
+    table = digests_by_round(swarm, names[:3])
+    assert sorted(table) == [0, 1, 2]
+    for round_, digests in table.items():
+        assert len(digests) == 3 and len(set(digests.values())) == 1, (round_, digests)
+    bad = swarm.join_line("bad").rsplit("/", 1)[-1]
+    for name in names[:3]:
+        rounds = swarm.rounds(name)
+        assert [r["group_size"] for r in rounds] == [4, 3, 3] and rounds[0]["outcome"] == "applied", rounds
+        assert bad not in rounds[1]["group"] and bad not in rounds[2]["group"]
+        log = (swarm.root / name / "node.log").read_text()
+        assert f"banned peer {bad[-8:]} until round 11: signed 2 different reports" in log, log[-3000:]

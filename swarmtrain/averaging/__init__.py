@@ -1,4 +1,4 @@
-"""The outer step: group formation, butterfly all-reduce, outer optimizer, digest confirmation, state sync."""
+"""The outer step: group formation, butterfly all-reduce, outer optimizer, signed digest confirmation, state sync."""
 
 from swarmtrain.averaging.allreduce import AllReduce
 from swarmtrain.averaging.averager import PROTOCOL_VERSION, Averager, RoundOutcome
@@ -6,6 +6,7 @@ from swarmtrain.averaging.exchange import AllReduceResult
 from swarmtrain.averaging.group import Group, gossip_groups, leader_candidates
 from swarmtrain.averaging.outer import OuterOptimizer, state_digest
 from swarmtrain.averaging.round import Event, Lifecycle, Phase
+from swarmtrain.averaging.signing import RoundSigner
 
 __all__ = [
     "PROTOCOL_VERSION",
@@ -18,6 +19,7 @@ __all__ = [
     "OuterOptimizer",
     "Phase",
     "RoundOutcome",
+    "RoundSigner",
     "gossip_groups",
     "leader_candidates",
     "state_digest",

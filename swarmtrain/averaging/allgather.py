@@ -39,6 +39,7 @@ import torch
 from swarmtrain.averaging.exchange import MAX_ABS_VALUE, AllReduceResult, GroupExchange, Unsettled
 from swarmtrain.averaging.group import Group
 from swarmtrain.averaging.robust import Aggregator
+from swarmtrain.averaging.signing import RoundSigner
 from swarmtrain.compression import BaseCodec, CodecError, CodecState, get_codec, peek_header
 from swarmtrain.net import Rejected, Transport
 
@@ -109,8 +110,13 @@ class AllGather(GroupExchange):
         tag: str = "",
         scratch: Callable[[str, int], torch.Tensor] | None = None,
         aggregator: Aggregator | None = None,
+        signer: RoundSigner | None = None,
+        equivocate: bool = False,
     ) -> None:
-        super().__init__(group, me, transport, header=header, deadline=deadline, on_part_sent=on_part_sent, tag=tag)
+        super().__init__(
+            group, me, transport, header=header, deadline=deadline, on_part_sent=on_part_sent, tag=tag, signer=signer,
+            equivocate=equivocate,
+        )  # fmt: skip
         self.delta = delta
         self.segments = segments
         self.states = states  # one per segment, kept by the caller across rounds (residual views, warm Q)
@@ -121,7 +127,6 @@ class AllGather(GroupExchange):
         self.payloads: dict[str, list[bytes]] = {p: [] for p in group.members}
         self.complete = {p: asyncio.Event() for p in group.members}
         self.aggregator = aggregator or Aggregator()  # how the agreed contributions combine (``robust``)
-        self.invalid: dict[str, str] = {}  # senders of payloads refused on their merits, and why (``bans``)
 
     def _contributes(self, peer: str) -> bool:
         return self.group.weights[self.group.index(peer)] > 0

@@ -33,6 +33,7 @@ import torch
 from swarmtrain.averaging.exchange import MAX_ABS_VALUE, AllReduceResult, GroupExchange, Unsettled, wait_or_dead
 from swarmtrain.averaging.group import Group
 from swarmtrain.averaging.robust import Aggregator
+from swarmtrain.averaging.signing import RoundSigner
 from swarmtrain.compression import Codec, CodecError, CodecState
 from swarmtrain.net import Rejected, Transport
 
@@ -74,8 +75,13 @@ class AllReduce(GroupExchange):
         scratch: Callable[[str, int], torch.Tensor] | None = None,
         residual: torch.Tensor | None = None,
         aggregator: Aggregator | None = None,
+        signer: RoundSigner | None = None,
+        equivocate: bool = False,
     ) -> None:
-        super().__init__(group, me, transport, header=header, deadline=deadline, on_part_sent=on_part_sent, tag=tag)
+        super().__init__(
+            group, me, transport, header=header, deadline=deadline, on_part_sent=on_part_sent, tag=tag, signer=signer,
+            equivocate=equivocate,
+        )  # fmt: skip
         self.delta = delta
         self.bounds = group.shard_bounds(delta.numel())
         self.codec_up, self.codec_down = codec_up, codec_down
@@ -94,7 +100,6 @@ class AllReduce(GroupExchange):
         self.sent = alloc(f"{tag}sent", delta.numel()) if residual is not None else None
         self.encoded: list[tuple[int, int]] = []  # the ranges of ``sent`` written this round
         self.aggregator = aggregator or Aggregator()  # how a reducer combines a part's contributions (``robust``)
-        self.invalid: dict[str, str] = {}  # senders of payloads refused on their merits, and why (``bans``)
 
     # ---- helpers ----------------------------------------------------------------------------------------
 

@@ -16,6 +16,8 @@ training literature:
 - ``alie``: "A little is enough" (Baruch et al. 2019): a shift of ``z`` standard deviations per coordinate, small
   enough to hide among honest updates. Without colluding, a node only knows its own update, so it estimates the
   honest mean by its update and the per-coordinate spread by the update's RMS: ``delta - z * rms * sign(delta)``.
+- ``equivocate``: an honest update, but every second member of its group gets other reports and digests than the
+  rest, each signed (``exchange``, ``signing``): unsigned and unrelayed, that split the group's decision.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from swarmtrain.averaging.matchmaking import MAX_WEIGHT
 from swarmtrain.compression import BaseCodec, CodecState
 from swarmtrain.compression.wire import pack_header
 
-KINDS = ("scale", "sign-flip", "nan", "random", "big-weight", "alie")
+KINDS = ("scale", "sign-flip", "nan", "random", "big-weight", "alie", "equivocate")
 BIG_WEIGHT = 1e6
 
 
@@ -52,8 +54,8 @@ class Attack:
             return delta * self.scale, weight
         if self.kind == "sign-flip":
             return delta * -self.scale, weight
-        if self.kind == "nan":
-            return delta, weight  # the payloads carry the NaNs (``wrap_codec``)
+        if self.kind in ("nan", "equivocate"):
+            return delta, weight  # the payloads carry the NaNs (``wrap_codec``); the exchange equivocates
         if self.kind == "random":
             noise = torch.randn(delta.shape, generator=self._noise)
             return noise * (self.scale * float(delta.norm()) / max(float(noise.norm()), 1e-30)), weight

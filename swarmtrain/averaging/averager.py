@@ -27,6 +27,7 @@ from swarmtrain.averaging.matchmaking import Matchmaker
 from swarmtrain.averaging.outer import OuterOptimizer
 from swarmtrain.averaging.robust import Aggregator
 from swarmtrain.averaging.round import Event, Lifecycle, Round, Stale, Step, Verdict, alone_applies, decide
+from swarmtrain.averaging.signing import RoundSigner
 from swarmtrain.averaging.statesync import CHUNK_BYTES, SnapshotStore, download_state
 from swarmtrain.compression import BaseCodec, CodecState, all_finite, get_codec
 from swarmtrain.net import Handler, Rejected, RpcError, StreamHandler, Transport
@@ -34,8 +35,9 @@ from swarmtrain.net import Handler, Rejected, RpcError, StreamHandler, Transport
 log = logging.getLogger(__name__)
 
 # 2: sparse/low-rank all-gathered; 3: state in chunks; 4: relays, records signed by identity; 5: shards rotate
-# per round, a group runs one budget, bans; 6: result parts name the members they include, "ledger".
-PROTOCOL_VERSION = 6
+# per round, a group runs one budget, bans; 6: result parts name the members they include, "ledger"; 7: reports
+# and digests signed with identity keys, relays carry the signatures.
+PROTOCOL_VERSION = 7
 _ROUTE_WAIT = 5.0  # a member may hear of its group a moment after a peer that already sends
 _SMALL = 1 << 16
 _LEDGERS = 8  # decisions of the last rounds this member confirmed, served to members that could not
@@ -88,10 +90,15 @@ class Averager:
         aggregator: Aggregator | None = None,
         attack: Callable[[torch.Tensor, float], tuple[torch.Tensor, float]] | None = None,
         ban_rounds: int = 0,
+        signer: RoundSigner | None = None,
     ) -> None:
         self.transport = transport
         self.aggregator = aggregator or Aggregator()  # combines the round's updates (``robust``); state mixes: mean
         self.attack = attack  # tests only (``attack.kind``): turns my honest update into a hostile one
+        self.equivocate = getattr(attack, "kind", "") == "equivocate"  # tests only: tells members different things
+        # Signs my reports and digests and checks the others' (``signing``): a node always signs, with its identity
+        # key; the in-process simulator and most unit tests run unsigned (peer ids there are not keys).
+        self.signer = signer
         self.me = transport.peer_id
         self.run_id = run_id
         self.header = {"run": run_id, "v": PROTOCOL_VERSION}
@@ -153,6 +160,7 @@ class Averager:
             )
         await self.transport.serve("report", self._routed(lambda ar, s, h: ar.on_report(s, h)), max_body=_SMALL)
         await self.transport.serve("digest", self._routed(lambda ar, s, h: ar.on_digest(s, h)), max_body=_SMALL)
+        await self.transport.serve("proofs", self._on_proofs, max_body=_SMALL)
         await self.transport.serve("join", self._on_join, max_body=_SMALL)
         await self.transport.serve("ping", self._on_ping, max_body=_SMALL)
         await self.transport.serve("ledger", self._on_ledger, max_body=_SMALL)
@@ -206,6 +214,11 @@ class Averager:
             return {}, b""
 
         return handler
+
+    async def _on_proofs(self, sender: str, header: dict[str, Any], body: bytes) -> tuple[dict[str, Any], bytes]:
+        """A group member asks for the signed reports or digests I relayed to it (``exchange._merge``); served
+        while the round's route is kept, after my own round is over too."""
+        return {}, (await self._allreduce_for(header, sender)).on_proofs(sender, header)
 
     def _routed_stream(self, method: str) -> StreamHandler:
         async def handler(
@@ -395,7 +408,7 @@ class Averager:
         """Average the update and apply the outer step with what the group agreed on."""
         r.enter(Step.EXCHANGE)
         result = await self._run(update)
-        self.matchmaker.bans.record(getattr(update, "invalid", {}), r.number)  # AllReduce and AllGather keep it
+        self.matchmaker.bans.record({**update.invalid, **update.equivocators}, r.number)
         r.phases.update(result.phases)
         self.outer.step(result.average)
         self._skew(r.number)
@@ -409,6 +422,7 @@ class Averager:
             digests = await update.exchange_digests(digest, DIGEST_SHARE * r.budget)
         finally:
             self._forget(update)
+        self.matchmaker.bans.record({**update.invalid, **update.equivocators}, r.number)
         r.phases["confirm_s"] = _now() - confirm_started
         return digests
 
@@ -543,7 +557,8 @@ class Averager:
             allreduce = AllGather(
                 group, self.me, vector, self.transport, header=self.header, segments=self.segments,
                 deadline=deadline, states=self.codec_states if residual is not None else None, residual=residual,
-                on_part_sent=fault, tag=tag, scratch=self._scratch, aggregator=self.aggregator,
+                on_part_sent=fault, tag=tag, scratch=self._scratch, aggregator=self.aggregator, signer=self.signer,
+                equivocate=self.equivocate,
             )  # fmt: skip
         else:
             allreduce = AllReduce(
@@ -551,6 +566,7 @@ class Averager:
                 codec_down=codec or self.codec_down, part_numel=self.part_numel, deadline=deadline,
                 on_part_sent=fault, tag=tag, scratch=self._scratch, residual=residual,
                 aggregator=self.aggregator if codec is None else None,  # theta_g mixes by the plain mean
+                signer=self.signer, equivocate=self.equivocate,
             )  # fmt: skip
         route = self._route(allreduce.route)
         if not route.done():

@@ -12,9 +12,11 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgpack
 import torch
 
 from swarmtrain.averaging.group import Group
+from swarmtrain.averaging.signing import MAX_KEY_BYTES, MAX_SIG_BYTES, RoundSigner
 from swarmtrain.net import PeerUnreachable, Rejected, RemoteError, RpcError, RpcTimeout, Transport
 
 log = logging.getLogger(__name__)
@@ -106,6 +108,22 @@ class Unsettled:
 
 
 @dataclass
+class Values:
+    """One kind of value the members exchange and relay (reports or digests): what each member sent me itself, with
+    its signature when the group signs, and what each member relayed of all it held."""
+
+    held: dict[str, Any]
+    held_in: dict[str, asyncio.Event]
+    proofs: dict[str, Any]
+    relays: dict[str, dict[str, Any]]
+    relays_in: dict[str, asyncio.Event]
+
+    @classmethod
+    def of(cls, members: tuple[str, ...]) -> Values:
+        return cls({}, {p: asyncio.Event() for p in members}, {}, {}, {p: asyncio.Event() for p in members})
+
+
+@dataclass
 class AllReduceResult:
     average: torch.Tensor
     applied: list[bool]
@@ -134,6 +152,8 @@ class GroupExchange(ABC):
         deadline: float,
         on_part_sent: Callable[[int], None] | None = None,
         tag: str = "",
+        signer: RoundSigner | None = None,
+        equivocate: bool = False,
     ) -> None:
         self.group, self.me, self.transport = group, me, transport
         self.index = group.index(me)
@@ -144,17 +164,15 @@ class GroupExchange(ABC):
         self.liveness = Liveness(transport, self.header)
         self.closed = False  # after the transfer, late payloads must not be stored
         self.bad_senders: set[str] = set()
-        # Reports and digests: what each member sent me itself, and what each relayed of all it held.
-        self.reports: dict[str, list[str | None]] = {}
-        self.reports_in = {p: asyncio.Event() for p in group.members}
-        self.report_relays: dict[str, dict[str, list[str | None]]] = {}
-        self.report_relays_in = {p: asyncio.Event() for p in group.members}
+        self.invalid: dict[str, str] = {}  # senders of messages refused on their merits, and why (``bans``)
+        # Reports and digests, signed by their members when ``signer`` is set (``signing``); a member caught
+        # signing two values of one kind is left out of the view and banned (``equivocators``: who, and why).
+        self.signer = signer
+        self.equivocate = equivocate  # tests only (attack.kind = equivocate): tell half the group other values
+        self.values = {kind: Values.of(group.members) for kind in ("report", "digest")}
+        self.equivocators: dict[str, str] = {}
         self.view: dict[str, list[str | None]] = {}  # the merged reports the decision is made from
         self.applied = [False] * group.size  # the decision, per slot, once ``_agree`` made it
-        self.digests: dict[str, str] = {}
-        self.digests_in = {p: asyncio.Event() for p in group.members}
-        self.digest_relays: dict[str, dict[str, str]] = {}
-        self.digest_relays_in = {p: asyncio.Event() for p in group.members}
         self.on_part_sent = on_part_sent
         self.parts_sent = 0
         self._background: set[asyncio.Future[None]] = set()  # sends to members counted as gone
@@ -168,6 +186,7 @@ class GroupExchange(ABC):
         self.transfer_deadline = loop_now + 0.75 * span
         self.report_deadline = loop_now + 0.82 * span
         self.relay_deadline = loop_now + 0.88 * span
+        self.proof_deadline = loop_now + 0.91 * span  # signed groups: relayed values that differ, proven
 
     async def wait_on(self, done: asyncio.Event, peer: str, deadline: float) -> bool:
         """Wait until ``done``, ``peer`` is found gone or the deadline; ``peer`` is pinged only while I wait on it
@@ -226,7 +245,9 @@ class GroupExchange(ABC):
 
     def _check_relay(self, relay: Any, check: Callable[[Any], Any]) -> dict[str, Any]:
         """A relay lists the distinct values once and maps each member to its value's index (``_pack_relay``):
-        the reports of a large group are mostly identical, and one header holds at most 64 kB."""
+        the reports of a large group are mostly identical, and one header holds at most 64 kB. It carries no
+        signatures: a member asks the relayer for them only where the relay differs from what it holds
+        (``_merge``), so an honest round costs one signature per message, not one per member per relay."""
         values, owners = (relay.get("values"), relay.get("from")) if isinstance(relay, dict) else (None, None)
         if not isinstance(values, list) or not isinstance(owners, dict):
             raise Rejected("a relay lists values and maps members to them")
@@ -246,34 +267,66 @@ class GroupExchange(ABC):
         return {"values": values, "from": owners}
 
     def on_report(self, sender: str, header: dict[str, Any]) -> None:
-        self._check_member(sender)
-        if "relay" in header:
-            self.report_relays[sender] = self._check_relay(header["relay"], self._check_report)
-            self.report_relays_in[sender].set()
-            return
-        self.reports[sender] = self._check_report(header.get("hashes"))
-        self.reports_in[sender].set()
+        self._on_value("report", "hashes", self._check_report, sender, header)
 
     def on_digest(self, sender: str, header: dict[str, Any]) -> None:
-        self._check_member(sender)
-        if "relay" in header:
-            self.digest_relays[sender] = self._check_relay(header["relay"], self._check_digest)
-            self.digest_relays_in[sender].set()
-            return
-        self.digests[sender] = self._check_digest(header.get("digest"))
-        self.digests_in[sender].set()
+        self._on_value("digest", "digest", self._check_digest, sender, header)
 
-    async def _relayed(
-        self,
-        method: str,
-        key: str,
-        mine: Any,
-        held: dict[str, Any],
-        held_in: dict[str, asyncio.Event],
-        relays: dict[str, dict[str, Any]],
-        relays_in: dict[str, asyncio.Event],
-        deadlines: tuple[float, float],
-    ) -> dict[str, Any]:
+    def on_proofs(self, sender: str, header: dict[str, Any]) -> bytes:
+        """The values I hold directly from the members asked for, with their signatures (a msgpack body: a large
+        group's would not fit a header): a member whose relay from me differs from what it holds asks me to prove
+        it (``_merge``)."""
+        self._check_member(sender)
+        kind, members = header.get("kind"), header.get("members")
+        if kind not in self.values or not isinstance(members, list) or len(members) > self.group.size:
+            raise Rejected("a proof request names a kind and at most the group's members")
+        values = self.values[kind]
+        held = {p: [values.held[p], values.proofs[p]] for p in members if isinstance(p, str) and p in values.held}
+        return msgpack.packb(held, use_bin_type=True)
+
+    def _proofs_bound(self, members: int) -> int:
+        """The most bytes a proof answer for ``members`` can legitimately take: a report (a hash per member) and a
+        signature with its key per member."""
+        return members * (self.group.size * 70 + MAX_SIG_BYTES + MAX_KEY_BYTES + 64) + 64
+
+    def _on_value(self, kind: str, key: str, check: Callable[[Any], Any], sender: str, header: dict[str, Any]) -> None:
+        """A member's own value, or its relay of all it held. A member's first value stands: a second, different
+        one it signed is proof that it equivocated (it is banned), but only what every survivor sees through the
+        relays may change the view."""
+        self._check_member(sender)
+        values = self.values[kind]
+        try:
+            if "relay" in header:
+                values.relays[sender] = self._check_relay(header["relay"], check)
+                values.relays_in[sender].set()
+                return
+            value, proof = check(header.get(key)), header.get("proof")
+            if self.signer is not None and not self.signer.check(sender, self.route, kind, value, proof):
+                raise Rejected(f"a {kind} without a valid signature of its sender")
+        except Rejected as exc:
+            self.invalid.setdefault(sender, str(exc))
+            raise
+        if sender in values.held:
+            if values.held[sender] != value and self.signer is not None:
+                self.equivocators.setdefault(sender, f"signed two different {kind}s in one round")
+            return
+        values.held[sender], values.proofs[sender] = value, proof
+        values.held_in[sender].set()
+
+    def _sign(self, kind: str, key: str, value: Any) -> dict[str, Any]:
+        if self.signer is None:
+            return {key: value}
+        proof = self.signer.sign(self.route, kind, value)
+        return {key: value, "proof": proof}
+
+    @staticmethod
+    def _twist(value: Any) -> Any:
+        """Another value of the same shape (attack.kind = equivocate): each hash or digest turned into zeros."""
+        if isinstance(value, list):
+            return [h if h is None else GroupExchange._twist(h) for h in value]
+        return "0" * len(value) if value != "0" * len(value) else "1" * len(value)
+
+    async def _relayed(self, kind: str, key: str, mine: Any, deadlines: tuple[float, float, float]) -> dict[str, Any]:
         """Two steps of exchange; returns the merged view every decision of this phase is made from.
 
         Step 1: send ``mine`` to every member and wait for theirs. Step 2: relay everything I hold (mine and
@@ -283,17 +336,90 @@ class GroupExchange(ABC):
         What arrives directly after I relayed is not in my view (it would be in no one else's). Nor is a member's
         value that only its own relay carries: a member that stalled through step 1 (its value reached no one in
         time) may wake up and relay it to some survivors before they decide and not to others; a value that
-        reached anyone else in step 1 comes to every survivor in that one's relay.
+        reached anyone else in step 1 comes to every survivor in that one's relay. In a signed group, step 3 (until
+        the third deadline) asks relayers to prove values that differ from mine (``_merge``).
         """
-        held[self.me] = mine
-        await self._exchange(method, {key: mine}, held_in, deadlines[0])
-        view = dict(held)
-        await self._exchange(method, {"relay": self._pack_relay(view)}, relays_in, deadlines[1])
-        for sender, relay in list(relays.items()):
+        values = self.values[kind]
+        payload = self._sign(kind, key, mine)
+        values.held[self.me], values.proofs[self.me] = mine, payload.get("proof")
+        twisted = self._sign(kind, key, self._twist(mine)) if self.equivocate else None
+        await self._exchange(kind, payload, values.held_in, deadlines[0], twisted)
+        view = dict(values.held)
+        await self._exchange(kind, {"relay": self._pack_relay(view)}, values.relays_in, deadlines[1])
+        relays = {sender: dict(relay) for sender, relay in values.relays.items()}  # what came by the deadline
+        if self.signer is None:
+            for sender, relay in relays.items():
+                for peer, value in relay.items():
+                    if peer != sender:
+                        view.setdefault(peer, value)
+            return view
+        return await self._merge(kind, view, relays, deadlines[2])
+
+    async def _merge(
+        self, kind: str, view: dict[str, Any], relays: dict[str, dict[str, Any]], deadline: float
+    ) -> dict[str, Any]:
+        """The signed view: what I hold directly (each value checked against its sender's signature), and what
+        the relays add, proven. A relayed value that differs from mine, or that I hold nothing for, is asked of
+        its relayer with its member's signature: a relayer that cannot prove what it relayed is refused and
+        banned (it put words in another member's mouth); a member with two different proven values equivocated
+        and is left out (every survivor holds the same relays, and asks and gets the same proofs). A value that
+        stays unproven (its relayer died before it answered) counts only if no proven one does and the unproven
+        ones agree."""
+        asked: dict[str, set[str]] = {}
+        for sender, relay in relays.items():
             for peer, value in relay.items():
-                if peer != sender:
-                    view.setdefault(peer, value)
-        return view
+                if peer not in (sender, self.me) and (peer not in view or view[peer] != value):
+                    asked.setdefault(sender, set()).add(peer)
+        proofs = await asyncio.gather(*(self._prove(kind, s, sorted(p), deadline) for s, p in asked.items()))
+        answers = dict(zip(asked, proofs, strict=True))
+        proven: dict[str, list[Any]] = {peer: [value] for peer, value in view.items()}
+        unproven: dict[str, list[Any]] = {}
+        for sender, relay in relays.items():
+            for peer, value in relay.items():
+                if peer in (sender, self.me) or (peer in view and view[peer] == value):
+                    continue
+                answer = answers.get(sender)
+                if answer is None:
+                    unproven.setdefault(peer, []).append(value)
+                elif answer.get(peer, (None,))[0] == value and value not in proven.setdefault(peer, []):
+                    proven[peer].append(value)
+                elif answer.get(peer, (None,))[0] != value:
+                    self.invalid.setdefault(sender, f"relayed a {kind} of {peer[-8:]} it could not prove")
+        merged = {}
+        for peer in {*proven, *unproven}:
+            held = proven.get(peer, [])
+            if len(held) > 1:
+                self.equivocators.setdefault(peer, f"signed {len(held)} different {kind}s in one round")
+                log.warning("member %s signed %d different %ss this round: left out", peer[-8:], len(held), kind)
+            elif held:
+                merged[peer] = held[0]
+            elif len({repr(v) for v in unproven[peer]}) == 1:
+                merged[peer] = unproven[peer][0]
+        return {peer: merged[peer] for peer in self.group.members if peer in merged}
+
+    async def _prove(self, kind: str, relayer: str, members: list[str], deadline: float) -> dict[str, Any] | None:
+        """Ask ``relayer`` for the signed values it holds of ``members``; the proven ones, or None if it did not
+        answer in time."""
+        assert self.signer is not None
+        timeout = deadline - asyncio.get_running_loop().time()
+        if timeout <= 0:
+            return None
+        header = {**self.header, "kind": kind, "members": members}
+        try:
+            _, body = await self.transport.call(
+                relayer, "proofs", header, timeout=timeout, max_reply=self._proofs_bound(len(members))
+            )
+            held = msgpack.unpackb(body, raw=False, strict_map_key=True)
+        except (PeerUnreachable, RpcTimeout, RemoteError):
+            return None
+        except (ValueError, msgpack.UnpackException, TypeError):
+            held = None  # an answer that is no proof: what it relayed stays unproven, and it is banned below
+        proven: dict[str, Any] = {}
+        for peer, entry in (held if isinstance(held, dict) else {}).items():
+            if isinstance(entry, list) and len(entry) == 2 and peer in members:
+                if self.signer.check(peer, self.route, kind, entry[0], entry[1]):
+                    proven[peer] = (entry[0],)
+        return proven
 
     async def _agree(self, hashes: list[str | None]) -> list[bool]:
         """Exchange and relay reports of what I hold (one hash or None per member's slot) and return, per slot,
@@ -301,10 +427,8 @@ class GroupExchange(ABC):
 
         Two members' reports are needed: with mine alone I cannot know what anyone else holds or applies.
         """
-        self.view = await self._relayed(
-            "report", "hashes", hashes, self.reports, self.reports_in, self.report_relays, self.report_relays_in,
-            (self.report_deadline, self.relay_deadline),
-        )  # fmt: skip
+        deadlines = (self.report_deadline, self.relay_deadline, self.proof_deadline)
+        self.view = await self._relayed("report", "hashes", hashes, deadlines)
         reports = list(self.view.values())
         self.applied = [
             len(reports) >= 2 and reports[0][j] is not None and all(rep[j] == reports[0][j] for rep in reports)
@@ -334,22 +458,25 @@ class GroupExchange(ABC):
         return False
 
     async def _exchange(
-        self, method: str, payload: dict[str, Any], inbox: dict[str, asyncio.Event], deadline: float
-    ) -> None:
+        self, method: str, payload: dict[str, Any], inbox: dict[str, asyncio.Event], deadline: float,
+        twisted: dict[str, Any] | None = None,
+    ) -> None:  # fmt: skip
         """Send my report or digest to every member and wait for theirs from the members still live.
 
         Members I count as gone get mine too, without waiting on them: one I gave up on wrongly (a broken
         stream under load) would otherwise wait for it until the deadline, and hold the round's reports in a
-        different view than everyone else.
+        different view than everyone else. ``twisted``: what every other member gets instead (tests only).
         """
         header = {**self.header, **payload}
+        other = {**self.header, **twisted} if twisted is not None else header
         others = [p for p in self.group.members if p != self.me]
         loop = asyncio.get_running_loop()
         sends = {}
-        for peer in others:
+        for i, peer in enumerate(others):
             gone = peer in self.liveness.dead
             until = min(deadline, loop.time() + GONE_SEND_S) if gone else deadline
-            sends[peer] = asyncio.ensure_future(self._send_small(peer, method, header, until))
+            sent = other if i % 2 else header
+            sends[peer] = asyncio.ensure_future(self._send_small(peer, method, sent, until))
         for peer in others:
             if peer not in self.liveness.dead:
                 await self.wait_on(inbox[peer], peer, deadline)
@@ -398,11 +525,10 @@ class GroupExchange(ABC):
         loop = asyncio.get_running_loop()
         self.deadline = max(self.deadline, loop.time() + floor_s)
         half = loop.time() + 0.5 * (self.deadline - loop.time())
+        # A signed group keeps the last eighth for proofs of relayed digests that differ (``_merge``).
+        relayed = self.deadline if self.signer is None else half + 0.75 * (self.deadline - half)
         try:
-            return await self._relayed(
-                "digest", "digest", digest, self.digests, self.digests_in, self.digest_relays, self.digest_relays_in,
-                (half, self.deadline),
-            )  # fmt: skip
+            return await self._relayed("digest", "digest", digest, (half, relayed, self.deadline))
         finally:
             self.liveness.close()
 

@@ -25,7 +25,15 @@ from hivemind.dht.validation import CompositeValidator
 from hivemind.p2p import P2P
 from hivemind.utils.crypto import RSAPrivateKey
 
-from swarmtrain.averaging import PROTOCOL_VERSION, Averager, Event, Phase, RoundOutcome, leader_candidates
+from swarmtrain.averaging import (
+    PROTOCOL_VERSION,
+    Averager,
+    Event,
+    Phase,
+    RoundOutcome,
+    RoundSigner,
+    leader_candidates,
+)  # fmt: skip
 from swarmtrain.averaging.attack import Attack
 from swarmtrain.averaging.robust import parse_aggregator
 from swarmtrain.compression import get_codec
@@ -179,7 +187,7 @@ class Node:
                 fail_at=avg.fail_at, test_skew_at=avg.test_skew_at, error_feedback=avg.error_feedback,
                 shapes=trainer.shapes,
                 aggregator=parse_aggregator(avg.aggregator, private=bool(node.swarm_key or node.allow_peers)),
-                attack=attack, ban_rounds=avg.ban_rounds,
+                attack=attack, ban_rounds=avg.ban_rounds, signer=RoundSigner(private_key),
             )  # fmt: skip
             self._trainer, self._averager = trainer, averager
             if checkpoint is not None:
