@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -18,102 +19,83 @@ pytestmark = pytest.mark.skipif(
     os.geteuid() != 0 or not shutil.which("tc"), reason="link shaping needs root and tc (iproute2)"
 )
 
-SECONDS, WARMUP = 2.0, 0.5  # measure 2 s of a steady stream, after half a second of slow start and bucket burst
+SECONDS, WARMUP = 2.0, 0.5  # count 2 s of a saturated link, after half a second of slow start and bucket burst
+BUFFER = 4 << 20  # socket buffers of 4 MiB: a sender or receiver descheduled for a second (a loaded machine) does
+# not let the link idle, so what is measured is the link, not the CPU time the test's processes got
 
-# Run inside the node's namespace: send to (or receive from) the host for SECONDS; a receiver prints its rate.
+# Run inside the node's namespace: send to (or receive from) the host until the other side closes.
 PEER = """
-import socket, sys, time
-mode, host, port, seconds, warmup = sys.argv[1], sys.argv[2], int(sys.argv[3]), float(sys.argv[4]), float(sys.argv[5])
-s = socket.create_connection((host, port), timeout=30)
+import socket, sys
+mode, host, port, buffer = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+s = socket.socket()
+s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF if mode == "send" else socket.SO_RCVBUF, buffer)
+s.settimeout(30)
+s.connect((host, port))
 chunk = bytes(65536)
-if mode == "send":
-    end = time.monotonic() + seconds + warmup + 0.5
-    try:
-        while time.monotonic() < end:
-            s.sendall(chunk)
-    except OSError:
-        pass  # the receiver closed when it had measured
-else:
-    start = time.monotonic(); got = 0; counted_from = None
-    while True:
-        data = s.recv(1 << 20)
-        if not data:
-            break
-        now = time.monotonic()
-        if counted_from is None and now - start >= warmup:
-            counted_from = now
-        elif counted_from is not None:
-            got += len(data)
-        if counted_from is not None and now - counted_from >= seconds:
-            print(got * 8 / (now - counted_from) / 1e6); break
+try:
+    while (s.sendall(chunk) if mode == "send" else s.recv(1 << 20)) != b"":
+        pass
+except OSError:
+    pass  # the host closed when it had measured
 s.close()
 """
 
 
-def _receive(conn: socket.socket, result: list[float]) -> None:
-    start, got, counted_from = time.monotonic(), 0, None
-    while True:
-        data = conn.recv(1 << 20)
-        if not data:
-            return
-        now = time.monotonic()
-        if counted_from is None and now - start >= WARMUP:
-            counted_from = now
-        elif counted_from is not None:
-            got += len(data)
-        if counted_from is not None and now - counted_from >= SECONDS:
-            result.append(got * 8 / (now - counted_from) / 1e6)
-            return
-
-
-def _send(conn: socket.socket, stop: threading.Event) -> None:
+def _pump(conn: socket.socket, direction: str, stop: threading.Event) -> None:
+    """Keep the link busy from the host's side: drain what the node sends (up), or send to it (down)."""
     chunk = bytes(65536)
     try:
         while not stop.is_set():
-            conn.sendall(chunk)
+            if direction == "down":
+                conn.sendall(chunk)
+            elif not conn.recv(1 << 20):
+                return
     except OSError:
-        pass  # the receiver closed when it had measured
+        pass
+
+
+def _sent_bytes(net: Network, name: str, direction: str) -> tuple[float, int]:
+    """When, and how many bytes the shaping qdisc of the node's uplink (or downlink) has sent so far."""
+    link = net.links[name]
+    prefix = net.prefix(name) if direction == "up" else []
+    dev = link.node_dev if direction == "up" else link.host_dev
+    before = time.monotonic()
+    out = subprocess.run([*prefix, "tc", "-s", "qdisc", "show", "dev", dev], capture_output=True, text=True).stdout
+    when = (before + time.monotonic()) / 2
+    match = re.search(r"Sent (\d+) bytes", out)
+    assert match, f"no tbf statistics on {dev}: {out}"
+    return when, int(match.group(1))
 
 
 def _measure(net: Network, name: str, direction: str) -> float:
-    """Mbit/s the node sends (``up``) or receives (``down``), measured by the receiving side."""
-    server = socket.create_server((net.host_address, 0))
+    """Mbit/s the node sends (``up``) or receives (``down``) through a saturated link: the bytes its shaping qdisc
+    sent over SECONDS, read from the kernel's counters."""
+    server = socket.socket()
+    server.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF if direction == "up" else socket.SO_SNDBUF, BUFFER)
+    server.bind((net.host_address, 0))
+    server.listen()
     port = server.getsockname()[1]
     mode = "send" if direction == "up" else "receive"
-    args = [
-        *net.prefix(name),
-        sys.executable,
-        "-c",
-        PEER,
-        mode,
-        net.host_address,
-        str(port),
-        str(SECONDS),
-        str(WARMUP),
-    ]
-    peer = subprocess.Popen(args, stdout=subprocess.PIPE, text=True)
+    args = [*net.prefix(name), sys.executable, "-c", PEER, mode, net.host_address, str(port), str(BUFFER)]
+    peer = subprocess.Popen(args)
+    stop = threading.Event()
     try:
         server.settimeout(30)
         conn, _ = server.accept()
-        conn.settimeout(30)
-        if direction == "up":
-            result: list[float] = []
-            _receive(conn, result)
-            conn.close()
-            peer.wait(timeout=30)
-            return result[0]
-        stop = threading.Event()
-        sender = threading.Thread(target=_send, args=(conn, stop), daemon=True)
-        sender.start()
-        out, _ = peer.communicate(timeout=30)
+        pump = threading.Thread(target=_pump, args=(conn, direction, stop), daemon=True)
+        pump.start()
+        time.sleep(WARMUP)
+        t0, sent0 = _sent_bytes(net, name, direction)
+        time.sleep(SECONDS)
+        t1, sent1 = _sent_bytes(net, name, direction)
         stop.set()
         conn.close()
-        return float(out.strip())
+        pump.join(timeout=10)
+        return (sent1 - sent0) * 8 / (t1 - t0) / 1e6
     finally:
         server.close()
-        if peer.poll() is None:
-            peer.kill()
-            peer.wait()
+        peer.kill()
+        peer.wait()
 
 
 def test_a_node_sends_and_receives_at_the_configured_rates_within_ten_percent() -> None:
