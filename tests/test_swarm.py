@@ -63,7 +63,10 @@ def test_four_nodes_agree_bit_for_bit_after_every_round(swarm: Swarm, codec: str
     small = 8_000 + 2 * 3 * 800
     assert all(ideal <= r["bytes_per_param"] < ideal * 1.1 + small / numel for r in rows), rows
     final = [r for r in swarm.metrics("n1") if r["kind"] == "final"][0]
-    assert final["bpb"] < 8.0
+    # fp16 learns in 5 rounds of 3 steps (7.58-7.59 held-out bits per byte in three loaded runs). Top-k sends 1 %
+    # of the update a round, so the model barely leaves the 8 bits of a uniform guess (7.9990-8.0000 in the same
+    # runs: "< 8" passed or failed by chance); there the check is that training did not blow up.
+    assert final["bpb"] < (7.8 if codec == "fp16" else 8.05), final
     # Off a terminal (stdout is the log file) a node prints one line per round for people.
     printed = [line for line in swarm.log("n1").splitlines() if line.startswith("round ")]
     assert [line.split(",")[0] for line in printed] == [f"round {r}: applied in a group of 4" for r in range(5)]
