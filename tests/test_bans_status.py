@@ -18,6 +18,7 @@ from hivemind.utils.crypto import RSAPrivateKey
 from rich.console import Console
 
 from swarmtrain.averaging import PROTOCOL_VERSION, leader_candidates
+from swarmtrain.averaging.bans import Bans
 from swarmtrain.dht import BanEntry, PeerRecord, ban_table, read_record, record_validators
 from swarmtrain.dht.membership import BAN_PEER_CHARS, BAN_REASON_CHARS, MAX_RECORD_BANS
 from swarmtrain.node.commands import status_table
@@ -136,3 +137,22 @@ def test_the_dht_schema_stores_a_record_with_bans() -> None:
 
     assert stored({**value, "bans": bans})
     assert not stored({**value, "bans": {"peer0000001": {"until": 4.5, "reason": "x"}}})
+
+
+def test_an_offence_recorded_after_two_phases_of_one_round_is_one_ban_logged_once(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # The averager records a round's offenders after its exchange and again after its digests, so that an
+    # offence is banned even when the digests never come; the same offence must not be logged twice.
+    bans = Bans("me", BAN_ROUNDS)
+    with caplog.at_level("WARNING", logger="swarmtrain.averaging.bans"):
+        bans.record({"peer-a": "invalid payload"}, 7)
+        bans.record({"peer-a": "invalid payload"}, 7)
+        bans.record({"peer-a": "equivocated", "peer-b": "invalid payload"}, 7)
+    banned = [r.getMessage() for r in caplog.records]
+    assert banned == [
+        f"banned peer {'peer-a'[-8:]} until round {7 + 1 + BAN_ROUNDS}: invalid payload",
+        f"banned peer {'peer-a'[-8:]} until round {7 + 1 + BAN_ROUNDS}: equivocated",
+        f"banned peer {'peer-b'[-8:]} until round {7 + 1 + BAN_ROUNDS}: invalid payload",
+    ], banned
+    assert bans.reason("peer-a", 8) == f"banned until round {7 + 1 + BAN_ROUNDS}: equivocated"

@@ -39,7 +39,10 @@ class Bans:
         for peer, reason in offenders.items():
             if peer == self.me:
                 continue
-            self.bans[peer] = Ban(round_ + 1 + self.rounds, reason[:200])
+            ban = Ban(round_ + 1 + self.rounds, reason[:200])
+            if self.bans.get(peer) == ban:
+                continue  # the same offence, recorded again after a later phase of the same round
+            self.bans[peer] = ban
             log.warning("banned peer %s until round %d: %s", peer[-8:], round_ + 1 + self.rounds, reason[:200])
         while len(self.bans) > MAX_BANS:
             del self.bans[next(iter(self.bans))]
