@@ -21,7 +21,6 @@ from some members), and a value that reached only a hostile member before the ho
 from __future__ import annotations
 
 import hashlib
-import logging
 from collections import OrderedDict
 from typing import Any
 
@@ -29,8 +28,6 @@ import msgpack
 from hivemind.utils.crypto import RSAPrivateKey, RSAPublicKey
 
 from swarmtrain.dht.identity import peer_id_of
-
-log = logging.getLogger(__name__)
 
 MAX_KEY_BYTES = 1024  # an OpenSSH RSA public key of up to 4096 bits is under 800 bytes
 MAX_SIG_BYTES = 1024  # an RSA signature of up to 4096 bits, base64
