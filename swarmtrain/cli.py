@@ -172,6 +172,26 @@ def status(
 @cli.command()
 @common_options
 @swarm_options
+@click.option("--port", type=int, default=8080, show_default=True, help="Serve the page on this port (0: any).")
+@click.option("--http-host", default="127.0.0.1", show_default=True, help="Serve on this address (0.0.0.0: all).")
+@click.option("--poll", type=float, default=2.0, show_default=True, help="Seconds between looks at the swarm.")
+def dashboard(
+    config_path: str | None, overrides: tuple[str, ...], data: str | None, run_dir: str | None,
+    join: tuple[str, ...], host: tuple[str, ...], announce: tuple[str, ...], port: int, http_host: str, poll: float,
+) -> None:  # fmt: skip
+    """Serve a web dashboard of the whole swarm reached through --join, without running a node: every peer's
+    state and why, round, tokens/s and share of tokens; the swarm's loss, bpb and bytes per round; joins, leaves,
+    state changes and bans. A private swarm needs its key (--set node.swarm_key=PATH). Ctrl+C stops it."""
+    from swarmtrain.node.commands import run_dashboard
+
+    if poll <= 0:
+        raise click.BadParameter(f"--poll must be a positive number of seconds, not {poll}", param_hint="--poll")
+    run_dashboard(resolve(config_path, overrides, **_addrs(join, host, announce)), http_host, port, poll)
+
+
+@cli.command()
+@common_options
+@swarm_options
 def doctor(
     config_path: str | None, overrides: tuple[str, ...], data: str | None, run_dir: str | None,
     join: tuple[str, ...], host: tuple[str, ...], announce: tuple[str, ...],

@@ -117,7 +117,7 @@ def check_metrics_match(samples: dict[str, float], lines: list[dict[str, Any]]) 
 def test_the_endpoint_serves_what_the_node_recorded() -> None:
     status, metrics = NodeStatus("12D3KooWself"), NodeMetrics()
     status.listeners.append(metrics.on_state)
-    server = ObserveServer(status, metrics, "127.0.0.1", 0)
+    server = ObserveServer(status.snapshot, metrics.registry, "127.0.0.1", 0)
     server.start()
     try:
         lines = [_line(0, 5.0, 1000), _line(1, 4.0, 1500, "fallback"), _line(2, 3.0, 1200)]
@@ -145,7 +145,7 @@ def test_the_endpoint_serves_what_the_node_recorded() -> None:
 
 def test_a_port_in_use_is_an_error_that_names_the_key(tmp_path: Path, text_file: Path) -> None:
     status, metrics = NodeStatus(), NodeMetrics()
-    taken = ObserveServer(status, metrics, "127.0.0.1", 0)
+    taken = ObserveServer(status.snapshot, metrics.registry, "127.0.0.1", 0)
     try:
         port = int(taken.url.rsplit(":", 1)[1])
         config = load_config(overrides=[f"observe.http_port={port}", f"run_dir={tmp_path / 'run'}"])

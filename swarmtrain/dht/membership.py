@@ -34,6 +34,8 @@ MAX_INNER_S = 24 * 3600.0  # a claimed inner phase longer than a day is a lie (i
 MAX_RECORD_BANS = 16  # bans a record shows (those that end last): a hostile record cannot be huge
 BAN_PEER_CHARS = 12  # a banned peer is named by the end of its id, as `swarmtrain status` shows peers
 BAN_REASON_CHARS = 120
+MAX_LOSS = 1e4  # a loss or bits per byte beyond this is a lie or a model gone to ruin
+MAX_COUNT = 2**53  # tokens or bytes a record may claim (exact in a float)
 
 
 class BanEntry(BaseModel):
@@ -73,6 +75,11 @@ class PeerRecord(BaseModel):
     state: str = Field("", max_length=16)  # why it is or is not contributing (swarmtrain.node.state.NodeState)
     reason: str = Field("", max_length=240)  # the state's reason, e.g. whom it catches up from and how far
     ready: bool = False  # a node waiting to start (state "starting") that sees node.min_peers peers
+    # What it says of its training, for dashboards (claims, like the rest: shown, never used by the protocol):
+    loss: float | None = Field(None, ge=0.0, le=MAX_LOSS, allow_inf_nan=False)  # its last round's training loss
+    bpb: float | None = Field(None, ge=0.0, le=MAX_LOSS, allow_inf_nan=False)  # its last held-out bits per byte
+    tokens: int = Field(0, ge=0, le=MAX_COUNT)  # tokens it has trained on in all (its checkpoints' included)
+    bytes_sent: int = Field(0, ge=0, le=MAX_COUNT)  # bytes it sent in its last round's outer step
     # the peers it bans now (the end of each id -> until which round, why): ``ban_table``
     bans: dict[Annotated[str, Field(max_length=BAN_PEER_CHARS)], BanEntry] = Field(
         default_factory=dict, max_length=MAX_RECORD_BANS
@@ -99,6 +106,10 @@ class _RecordV1(pv1.BaseModel):
     state: pv1.StrictStr = ""
     reason: pv1.StrictStr = ""
     ready: pv1.StrictBool = False
+    loss: Optional[pv1.StrictFloat] = None  # noqa: UP045 (pydantic v1 needs Optional)
+    bpb: Optional[pv1.StrictFloat] = None  # noqa: UP045
+    tokens: pv1.StrictInt = 0
+    bytes_sent: pv1.StrictInt = 0
     bans: dict[pv1.StrictStr, _BanV1] = {}
     mac: pv1.StrictStr  # the private swarm's MAC over subkey and record ("" in a public swarm)
 

@@ -27,8 +27,10 @@ from swarmtrain.logs import current_log_format
 from swarmtrain.net import P2PTransport, load_auth, serve_hello
 from swarmtrain.net.reachability import serve_dialback
 from swarmtrain.node.node import Node, NodeError, join_line, start_dht, start_p2p
+from swarmtrain.node.observe import ObserveServer, dashboard
 from swarmtrain.node.panel import Panel
 from swarmtrain.node.settings import serve_settings, swarm_settings
+from swarmtrain.node.swarmview import SwarmMetrics, SwarmView, watch
 from swarmtrain.signals import STOP_SIGNALS, handled_by_loop
 
 
@@ -93,6 +95,29 @@ def run_bootstrap(config: Config) -> None:
             await p2p.shutdown()
 
     run_until_interrupted(main)
+
+
+def run_dashboard(config: Config, host: str, port: int, poll_s: float) -> None:
+    """Serve the dashboard of the swarm reached through ``node.join`` (``swarmtrain.node.swarmview``) until Ctrl+C."""
+    if not config.node.join:
+        raise NodeError("node error: `swarmtrain dashboard` needs --join ADDR: the address of any peer of the swarm.")
+    view = SwarmView(config.node.run_id, ttl=config.node.record_ttl_s)
+    metrics = SwarmMetrics(view)
+    try:
+        server = ObserveServer(
+            view.snapshot, metrics.registry, host, port, pages=dashboard(), on_scrape=metrics.refresh
+        )
+    except OSError as exc:
+        raise NodeError(
+            f"node error: cannot serve the dashboard on {host}:{port} ({exc.strerror}); pick a free --port, or 0 "
+            "for any."
+        ) from None
+    server.start()
+    print(f"dashboard of swarm {config.node.run_id!r} at {server.url}/ (and /status, /metrics)", flush=True)
+    try:
+        run_until_interrupted(lambda: watch(config, view, poll_s))
+    finally:
+        server.close()
 
 
 async def fetch_records(config: Config) -> list[PeerRecord]:

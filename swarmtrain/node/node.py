@@ -40,6 +40,7 @@ from swarmtrain.compression import get_codec
 from swarmtrain.config import Config, write_resolved
 from swarmtrain.data import load_corpus
 from swarmtrain.dht import Membership, PeerRecord, ban_table, load_identity_key, record_validators
+from swarmtrain.dht.membership import MAX_COUNT, MAX_LOSS
 from swarmtrain.errors import CheckpointError, SwarmtrainError
 from swarmtrain.net import P2PTransport, load_auth, serve_hello, verify_swarm
 from swarmtrain.net.reachability import FIX, ask_dialback, dialable, is_loopback, serve_dialback
@@ -242,7 +243,9 @@ class Node:
         if observe.http_port is None:
             return None
         try:
-            server = ObserveServer(self.status, self.metrics, observe.http_host, observe.http_port, pages=dashboard())
+            server = ObserveServer(
+                self.status.snapshot, self.metrics.registry, observe.http_host, observe.http_port, pages=dashboard()
+            )
         except OSError as exc:
             raise NodeError(
                 f"node error: cannot serve observe.http_port={observe.http_port} on {observe.http_host} "
@@ -436,6 +439,8 @@ class Node:
                 break
             if averager.lifecycle.phase is Phase.CATCH_UP:
                 await self._catch_up(averager, membership, trainer, wait_s=max(30.0, 4 * last_inner))
+            if membership.record.round != averager.round:  # caught up, or a round failed: no round just done
+                membership.update(loss=None, bpb=None, bytes_sent=0)
             membership.update(round=averager.round, phase="training")
             observing = averager.lifecycle.phase is Phase.OBSERVE
             if observing:
@@ -491,12 +496,19 @@ class Node:
                 # still syncing, not a round I took part in. Catch up with the next one.
                 log.info("round %d was over before I could sit in; catching up again", outcome.round)
                 continue
-            membership.update(round=averager.round, digest=outcome.digest)
+            # What a dashboard of the swarm shows of the round just done (`swarmtrain dashboard --join`), in the
+            # same update as the round it describes; its held-out bpb follows when measured.
+            claims = {
+                "loss": _bounded(loss, MAX_LOSS), "bpb": None, "tokens": min(trainer.tokens, MAX_COUNT),
+                "bytes_sent": min(transport.counter.sent - sent, MAX_COUNT),
+            }  # fmt: skip
+            membership.update(round=averager.round, digest=outcome.digest, **claims)
             if outcome.group.size > 1:
                 self._last_group = outcome.group.members
             bpb = None
             if node.eval_every and averager.round % node.eval_every == 0:
                 bpb = await asyncio.to_thread(trainer.evaluate)
+                membership.update(bpb=_bounded(bpb, MAX_LOSS))
             speed = tokens / last_inner if tokens and last_inner > 0 else 0.0
             inner = 0.0 if observing else last_inner
             self._log_round(
@@ -628,6 +640,12 @@ class Node:
         tensors.update({f"outer.{k}": v for k, v in averager.outer.state_tensors().items()})
         meta.update({"round": averager.round, "digest": averager.outer.digest()})
         save_checkpoint(self.run_dir, tensors, meta, keep=self.config.train.keep_checkpoints)
+
+
+def _bounded(value: float, limit: float) -> float | None:
+    """``value`` if a record may carry it (finite, in [0, limit]), else None: a record is never copied with a value
+    its readers would refuse, which would drop this node from every view."""
+    return value if 0.0 <= value <= limit else None
 
 
 def _hostile(config: Config, seed: int) -> Attack | None:

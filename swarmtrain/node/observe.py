@@ -24,7 +24,7 @@ from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from prometheus_client import CollectorRegistry, Counter, Enum, Gauge, make_wsgi_app
 
-from swarmtrain.node.state import NodeState, NodeStatus
+from swarmtrain.node.state import NodeState
 
 log = logging.getLogger(__name__)
 
@@ -90,14 +90,16 @@ class _QuietHandler(WSGIRequestHandler):
 
 
 class ObserveServer:
-    """``/metrics`` and ``/status`` (and ``pages``: extra paths to (content type, bytes)) on host:port."""
+    """``/metrics`` (the registry's, after ``on_scrape()``) and ``/status`` (``snapshot()`` as JSON), and
+    ``pages`` (extra paths to (content type, bytes)) on host:port."""
 
     def __init__(
-        self, status: NodeStatus, metrics: NodeMetrics, host: str, port: int,
-        pages: dict[str, tuple[str, bytes]] | None = None,
+        self, snapshot: Callable[[], dict[str, Any]], registry: CollectorRegistry, host: str, port: int,
+        pages: dict[str, tuple[str, bytes]] | None = None, on_scrape: Callable[[], None] | None = None,
     ) -> None:  # fmt: skip
-        self.status = status
-        self.metrics_app = make_wsgi_app(metrics.registry)
+        self.snapshot = snapshot
+        self.metrics_app = make_wsgi_app(registry)
+        self.on_scrape = on_scrape
         self.pages = dict(pages or {})
         self.server = make_server(host, port, self._app, server_class=_Server, handler_class=_QuietHandler)
         self.thread = threading.Thread(target=self.server.serve_forever, name="observe-http", daemon=True)
@@ -118,9 +120,11 @@ class ObserveServer:
     def _app(self, environ: dict[str, Any], start_response: StartResponse) -> Iterable[bytes]:
         path = environ.get("PATH_INFO", "/")
         if path == "/metrics":
+            if self.on_scrape is not None:
+                self.on_scrape()
             return self.metrics_app(environ, start_response)  # type: ignore[no-any-return]
         if path == "/status":
-            return _reply(start_response, "application/json", json.dumps(self.status.snapshot()).encode())
+            return _reply(start_response, "application/json", json.dumps(self.snapshot()).encode())
         if path in self.pages:
             return _reply(start_response, *self.pages[path])
         start_response("404 Not Found", [("Content-Type", "text/plain")])
