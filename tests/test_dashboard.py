@@ -2,7 +2,10 @@
 process, each with its own p2pd; run under the heavy-test lock), and the peers, their states and the loss curve it
 shows are checked against the node's /status and metrics.jsonl. Saves a screenshot; the README's is made by
 
-    DASHBOARD_SCREENSHOT=docs/dashboard.png python -m pytest -m slow tests/test_dashboard.py
+    DASHBOARD_SCREENSHOT=docs/dashboard.png SWARM_DASHBOARD_SCREENSHOT=docs/swarm-dashboard.png \
+        python -m pytest -m slow tests/test_dashboard.py
+
+It also serves `swarmtrain dashboard --join` of the same swarm and checks its page against the peers' records.
 """
 
 from __future__ import annotations
@@ -19,6 +22,8 @@ import pytest
 
 from swarmtrain.config import load_config
 from swarmtrain.node import Node
+from swarmtrain.node.observe import ObserveServer, dashboard
+from swarmtrain.node.swarmview import SwarmMetrics, SwarmView, watch
 from tests.swarm import TINY
 from tests.test_observe import _rounds, _wait, get_status
 
@@ -64,7 +69,7 @@ class Page(HTMLParser):
         if tag == "polyline" and a.get("data-rounds"):
             rounds, values = a["data-rounds"].split(","), a["data-values"].split(",")
             self.curves[a["id"]] = [(int(r), float(v)) for r, v in zip(rounds, values, strict=True)]
-        if a.get("id") in ("utilisation", "utilisation-all"):
+        if a.get("id") in ("utilisation", "utilisation-all", "state", "reason"):
             self._open = a["id"]
         if tag == "body" and "data-loaded-round" in a:
             self.loaded_round = int(a["data-loaded-round"])
@@ -77,6 +82,42 @@ def browse(browser: str, url: str, screenshot: Path | None = None) -> str:
     done = subprocess.run([*args, url], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     return done.stdout
+
+
+async def check_swarm_dashboard(browser: str, address: str, peer_ids: set[str], tmp_path: Path) -> None:
+    """`swarmtrain dashboard --join` of the same swarm: the page shows every peer's state and round as the
+    peers' records say, and the mean loss of the rounds the dashboard saw."""
+    view = SwarmView(load_config().node.run_id, ttl=30.0)
+    metrics = SwarmMetrics(view)
+    server = ObserveServer(
+        view.snapshot, metrics.registry, "127.0.0.1", 0, pages=dashboard(), on_scrape=metrics.refresh
+    )
+    server.start()
+    watcher = asyncio.create_task(watch(load_config(overrides=[f"node.join=['{address}']"]), view, 0.5))
+    try:
+        seen = lambda: {p for points in view.points.values() for p in points}  # noqa: E731
+        await _wait("a finished round of each peer on the swarm dashboard", lambda: seen() == peer_ids, 120, seen)
+        for _ in range(8):
+            before = view.snapshot()
+            page = Page()
+            page.feed(await asyncio.to_thread(browse, browser, server.url + "/"))
+            after = view.snapshot()
+            if states(before) == states(after) and page.loaded_round == after["round"]:
+                break
+        else:
+            raise AssertionError(f"the swarm never held still for a page read: {states(before)} / {states(after)}")
+        assert set(page.rows) == peer_ids, page.rows
+        for peer, row in page.rows.items():
+            assert (row["data-state"], int(row["data-round"])) == states(after)[peer], (row, after["peers"])
+        means = [(h["round"], pytest.approx(h["loss"])) for h in after["history"] if h["loss"] is not None]
+        assert page.curves["loss-curve"] == means and means, (page.curves, after["history"])
+        screenshot = Path(os.environ.get("SWARM_DASHBOARD_SCREENSHOT", tmp_path / "swarm.png")).absolute()
+        await asyncio.to_thread(browse, browser, server.url + "/", screenshot)
+        assert screenshot.stat().st_size > 10_000
+    finally:
+        watcher.cancel()
+        await asyncio.gather(watcher, return_exceptions=True)
+        server.close()
 
 
 def states(status: dict[str, Any]) -> dict[str, tuple[str, int]]:
@@ -130,6 +171,7 @@ async def test_the_dashboard_of_a_live_swarm_shows_its_peers_states_and_loss(tmp
         screenshot = Path(os.environ.get("DASHBOARD_SCREENSHOT", tmp_path / "dashboard.png")).absolute()
         await asyncio.to_thread(browse, browser, url + "/", screenshot)
         assert screenshot.stat().st_size > 10_000
+        await check_swarm_dashboard(browser, address, peer_ids, tmp_path)
         for node in nodes:  # Ctrl+C, as it were: each finishes its round and leaves
             node.request_leave()
         await asyncio.wait_for(asyncio.gather(*tasks), 120)
