@@ -162,7 +162,7 @@ async def test_the_dashboard_of_a_live_swarm_shows_its_peers_states_and_loss(tmp
         assert page.curves["loss-curve"] == [(line["round"], pytest.approx(line["loss"])) for line in lines]
         assert page.curves["bpb-curve"] == [(line["round"], pytest.approx(line["bpb"])) for line in lines]
         # Compute utilisation: the last round's, and inner steps over wall time of all rounds.
-        percent = {key: float(text.removesuffix(" %")) for key, text in page.texts.items()}
+        percent = {key: float(page.texts[key].removesuffix(" %")) for key in ("utilisation", "utilisation-all")}
         assert percent["utilisation"] == pytest.approx(100 * lines[-1]["utilisation"], abs=0.051), page.texts
         overall = sum(line["inner_s"] for line in lines) / sum(line["wall_s"] for line in lines)
         assert percent["utilisation-all"] == pytest.approx(100 * overall, abs=0.051), page.texts

@@ -6,6 +6,7 @@ nodes: what the dashboard read of each round in their records is what their metr
 from __future__ import annotations
 
 import asyncio
+import io
 import json
 import socket
 from pathlib import Path
@@ -15,6 +16,7 @@ from urllib.request import urlopen
 import pytest
 from click.testing import CliRunner
 from prometheus_client.parser import text_string_to_metric_families
+from rich.console import Console
 
 from swarmtrain.averaging import PROTOCOL_VERSION
 from swarmtrain.cli import cli
@@ -22,6 +24,7 @@ from swarmtrain.config import load_config
 from swarmtrain.dht import BanEntry, PeerRecord
 from swarmtrain.dht.membership import MAX_LOSS
 from swarmtrain.node import Node
+from swarmtrain.node.commands import status_table
 from swarmtrain.node.node import _bounded
 from swarmtrain.node.observe import ObserveServer, dashboard
 from swarmtrain.node.swarmview import SwarmMetrics, SwarmView, watch
@@ -229,3 +232,14 @@ async def test_what_the_dashboard_of_a_live_swarm_reads_of_each_round_is_what_th
             assert record.loss == lines[-1]["loss"], (record, lines[-1])
             assert record.tokens == sum(line["tokens"] for line in lines), (record, lines)
             assert record.bytes_sent <= lines[-1]["bytes_sent"], (record, lines[-1])
+
+
+def test_swarmtrain_status_shows_the_loss_and_bpb_each_peer_gives_for_its_last_round() -> None:
+    text = io.StringIO()
+    records = [record(A, 4, loss=3.25, bpb=5.5), record(B, 4, loss=3.5), record(C, 0)]
+    Console(file=text, width=400).print(status_table("test", records))
+    lines = text.getvalue().splitlines()
+    header = [cell.strip() for cell in next(line for line in lines if line.startswith("┃")).split("┃")[1:-1]]
+    rows = [[cell.strip() for cell in line.split("│")[1:-1]] for line in lines if line.startswith("│")]
+    shown = {row[0]: (row[header.index("loss")], row[header.index("bpb")]) for row in rows}
+    assert shown == {A[-12:]: ("3.250", "5.500"), B[-12:]: ("3.500", "-"), C[-12:]: ("-", "-")}, text.getvalue()

@@ -157,15 +157,22 @@ def show_status(config: Config, as_json: bool) -> None:
 
 def status_table(run_id: str, records: list[PeerRecord]) -> Table:
     """The swarm as `swarmtrain status` prints it: one row per peer, with the peers it bans (until which round,
-    and why)."""
+    and why) and the loss and held-out bpb it gives for the round it last finished."""
     table = Table(title=f"swarm {run_id!r}: {len(records)} peers")
-    for column in ("peer", "round", "state", "reason", "bans", "device", "tokens/s", "batch", "digest", "address"):
+    columns = ("peer", "round", "state", "reason", "bans", "loss", "bpb", "device", "tokens/s", "batch", "digest")
+    for column in (*columns, "address"):
         table.add_column(column, overflow="fold")
     for r in records:
         bans = "\n".join(f"{peer} until round {ban.until}: {ban.reason}" for peer, ban in r.bans.items())
         row: list[Any] = [
-            r.peer_id[-12:], r.round, r.state or r.phase, r.reason or "-", bans or "-", r.device or "-",
-            f"{r.tokens_per_s:,.0f}", r.batch_size, r.digest[:8], r.addrs[0] if r.addrs else "",
+            r.peer_id[-12:], r.round, r.state or r.phase, r.reason or "-", bans or "-", _figure(r.loss),
+            _figure(r.bpb), r.device or "-", f"{r.tokens_per_s:,.0f}", r.batch_size, r.digest[:8],
+            r.addrs[0] if r.addrs else "",
         ]  # fmt: skip
         table.add_row(*(Text(str(cell)) for cell in row))  # Text: a peer's words are never read as markup
     return table
+
+
+def _figure(value: float | None) -> str:
+    """A loss or bpb of the round a record last finished, or "-" where it says none."""
+    return "-" if value is None else f"{value:.3f}"
