@@ -254,10 +254,10 @@ class AveragingConfig(_Section):
 
 
 class AttackConfig(_Section):
-    kind: Literal["", "scale", "sign-flip", "nan", "random", "big-weight", "alie", "equivocate"] = ""
-    """TEST ONLY: make this node hostile (its contribution to every round is replaced, or with equivocate its
-    reports and digests differ between members; see swarmtrain/averaging/attack.py). Empty (the default) is an
-    honest node. Refused unless attack.test_only."""
+    kind: Literal["", "scale", "sign-flip", "nan", "random", "big-weight", "alie", "equivocate", "forge-records"] = ""
+    """TEST ONLY: make this node hostile (its contribution to every round is replaced; with equivocate its reports
+    and digests differ between members; with forge-records it publishes records in other peers' names; see
+    swarmtrain/averaging/attack.py). Empty (the default) is an honest node. Refused unless attack.test_only."""
     test_only: bool = False
     """Must be true for attack.kind to be accepted: a hostile node is for tests, benchmarks and scenarios only."""
     scale: float = Field(10.0, gt=0.0, le=1e4)

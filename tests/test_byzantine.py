@@ -113,14 +113,18 @@ async def deviation_per_round(
     return deviations
 
 
-@pytest.mark.parametrize("kind", KINDS)
+# forge-records contributes honestly and lies in the DHT (tested in test_private_swarm and test_hostile_nodes).
+ROUND_KINDS = [k for k in KINDS if k != "forge-records"]
+
+
+@pytest.mark.parametrize("kind", ROUND_KINDS)
 async def test_the_robust_default_bounds_each_attack_and_keeps_honest_replicas_identical(kind: str) -> None:
     default = Config().averaging.aggregator  # auto: the public-swarm default
     deviations = await deviation_per_round(make_group(default, kind), kinds_fall_back=kind == "nan")
     assert max(deviations) <= BOUND, f"{kind} moved theta_g by {deviations} of the honest update (bound {BOUND})"
 
 
-@pytest.mark.parametrize("kind", [k for k in KINDS if k not in ("nan", "equivocate")])
+@pytest.mark.parametrize("kind", [k for k in ROUND_KINDS if k not in ("nan", "equivocate")])
 async def test_with_the_plain_mean_the_same_attack_moves_the_model(kind: str) -> None:
     deviations = await deviation_per_round(make_group("mean", kind), rounds=1)
     floor = 0.1 if kind == "alie" else BOUND  # alie is small by design: it hides among honest updates

@@ -6,6 +6,7 @@ import math
 import subprocess
 import sys
 import typing
+from collections import Counter
 
 import pytest
 
@@ -73,3 +74,36 @@ def test_an_equivocating_node_is_banned_and_the_honest_nodes_stay_identical(swar
         assert bad not in rounds[1]["group"] and bad not in rounds[2]["group"]
         log = (swarm.root / name / "node.log").read_text()
         assert f"banned peer {bad[-8:]} until round 11: signed 2 different reports" in log, log[-3000:]
+
+
+@pytest.mark.slow
+def test_a_node_forging_records_for_every_peer_changes_no_round(swarm: Swarm) -> None:
+    """Three honest nodes and one that, every heartbeat, publishes under its own key a record for each peer it sees
+    saying that peer left 10 rounds ahead. Every honest node refuses the forgeries (each logged once a minute, not
+    every heartbeat), so no one is dropped from a group or catches up: every round has all four members, the forger
+    included (its own record and update are honest), and ends with one digest among the honest."""
+    names = ["n0", "n1", "n2", "bad"]
+    hostile = ["attack.kind=forge-records", "attack.test_only=true"]
+    swarm.start("n0", 4, extra=["node.min_peers=4"])
+    first = swarm.join_line("n0")
+    for name in names[1:]:
+        swarm.start(name, 4, join=first, extra=["node.min_peers=4", *(hostile if name == "bad" else [])])
+    swarm.wait(names, timeout=240)
+    honest = {swarm.join_line(name).rsplit("/", 1)[-1][-8:] for name in names[:3]}
+    table = digests_by_round(swarm, names[:3])
+    assert sorted(table) == [0, 1, 2, 3]
+    for round_, digests in table.items():
+        assert len(digests) == 3 and len(set(digests.values())) == 1, (round_, digests)
+    for name in names[:3]:
+        rounds = swarm.rounds(name)
+        assert [(r["group_size"], r["outcome"]) for r in rounds] == [(4, "applied")] * 4, rounds
+        log = swarm.log(name)
+        assert "catching up" not in log, log[-3000:]
+        forged = Counter(
+            line.split("ignoring a peer record for ")[1].split()[0]
+            for line in log.splitlines()
+            if "signed with another identity's key" in line
+        )
+        assert set(forged) == honest, (name, forged)  # the forger lied about every honest node, this one included
+        lifetime_s = [r for r in swarm.metrics(name) if r["kind"] == "final"][0]["elapsed_s"]
+        assert max(forged.values()) <= 2 + lifetime_s // 60, (name, forged, lifetime_s)  # not once per heartbeat

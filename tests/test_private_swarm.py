@@ -252,3 +252,41 @@ async def test_a_node_catching_up_sees_the_peers_ahead_of_one_that_lags(identiti
     await member(dht, other, round=3).publish()
     view = await member(dht, me, round=1, state="catching_up").refresh()
     assert set(view) == {me.peer_id, lagging.peer_id, ahead.peer_id, other.peer_id}
+
+
+async def test_a_forger_saying_every_peer_left_far_ahead_changes_no_honest_view(
+    identities: list[Identity], caplog: pytest.LogCaptureFixture
+) -> None:
+    """attack.kind = forge-records, in process: the forger stores a record for each peer it sees, under its own
+    key, saying that peer left FORGED_AHEAD rounds ahead. An honest reader keeps every peer, at its own round, and
+    logs each forgery once, not once per heartbeat."""
+    import asyncio
+
+    from swarmtrain.averaging.attack import FORGED_AHEAD
+    from swarmtrain.node.node import _with_forgeries
+
+    me, honest, forger = identities[:3]
+    dht = FakeDHT()
+    members = [member(dht, who) for who in (me, honest, forger)]
+    for m in members:
+        await m.publish()
+    await members[2].refresh()
+    quiet = asyncio.create_task(asyncio.sleep(3600))  # the forger's heartbeat: here, one that does nothing
+    forging = _with_forgeries(quiet, members[2], 0.01)
+    await asyncio.sleep(0.1)  # several rounds of forgeries
+    forging.cancel()
+    await asyncio.gather(forging, return_exceptions=True)
+    assert quiet.cancelled()
+    lies = [v for k, v in dht.values.items() if v["phase"] == "leaving" and v["round"] == 5 + FORGED_AHEAD]
+    assert {v["peer_id"] for v in lies} == {me.peer_id, honest.peer_id}, dht.values  # the attack did run
+    with caplog.at_level("WARNING", logger="swarmtrain.dht.membership"):
+        for _ in range(3):  # three heartbeats
+            view = await members[0].refresh()
+    assert {p: (r.round, r.phase) for p, r in view.items()} == {
+        who.peer_id: (5, "training") for who in (me, honest, forger)
+    }
+    assert not members[0].left
+    forged = [r.getMessage() for r in caplog.records if "signed with another identity's key" in r.getMessage()]
+    assert sorted(forged) == sorted(
+        f"ignoring a peer record for {who.peer_id[-8:]} signed with another identity's key" for who in (me, honest)
+    )

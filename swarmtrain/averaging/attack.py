@@ -18,6 +18,10 @@ training literature:
   honest mean by its update and the per-coordinate spread by the update's RMS: ``delta - z * rms * sign(delta)``.
 - ``equivocate``: an honest update, but every second member of its group gets other reports and digests than the
   rest, each signed (``exchange``, ``signing``): unsigned and unrelayed, that split the group's decision.
+- ``forge-records``: an honest update, but every heartbeat the node also publishes, under its own key, a record for
+  every other peer it sees, saying that peer left and is ``FORGED_AHEAD`` rounds ahead
+  (``swarmtrain.node.node._forge_records``). Unbound to identities, that made peers drop live members from their
+  groups and catch up towards a round nobody holds; readers now refuse a record not signed by its peer's key.
 """
 
 from __future__ import annotations
@@ -31,8 +35,9 @@ from swarmtrain.averaging.matchmaking import MAX_WEIGHT
 from swarmtrain.compression import BaseCodec, CodecState
 from swarmtrain.compression.wire import pack_header
 
-KINDS = ("scale", "sign-flip", "nan", "random", "big-weight", "alie", "equivocate")
+KINDS = ("scale", "sign-flip", "nan", "random", "big-weight", "alie", "equivocate", "forge-records")
 BIG_WEIGHT = 1e6
+FORGED_AHEAD = 10
 
 
 @dataclass
@@ -54,8 +59,9 @@ class Attack:
             return delta * self.scale, weight
         if self.kind == "sign-flip":
             return delta * -self.scale, weight
-        if self.kind in ("nan", "equivocate"):
-            return delta, weight  # the payloads carry the NaNs (``wrap_codec``); the exchange equivocates
+        if self.kind in ("nan", "equivocate", "forge-records"):
+            # The payloads carry the NaNs (``wrap_codec``); the exchange equivocates; the node forges records.
+            return delta, weight
         if self.kind == "random":
             noise = torch.randn(delta.shape, generator=self._noise)
             return noise * (self.scale * float(delta.norm()) / max(float(noise.norm()), 1e-30)), weight

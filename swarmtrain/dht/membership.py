@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Annotated, Any, Optional
 
 import pydantic.v1 as pv1
@@ -123,23 +123,53 @@ def record_validators(run_id: str, private_key: RSAPrivateKey) -> tuple[RSASigna
     return RSASignatureValidator(private_key), SchemaValidator(_PeersSchemaV1, prefix=run_id)
 
 
-def read_record(subkey: Any, value: Any, auth: SwarmAuth = PUBLIC) -> PeerRecord | None:
+WARN_EVERY_S = 60.0  # a reader that looks every heartbeat logs the same refusal of a peer's record once a minute
+
+
+class Refusals:
+    """Logs why records are refused, each (what, whose) at most once per ``WARN_EVERY_S``: a peer that keeps
+    publishing a bad record must not flood the log of every reader that looks every heartbeat."""
+
+    def __init__(self) -> None:
+        self.logged: dict[tuple[str, str], float] = {}
+
+    def __call__(self, what: str, whose: str, message: str, *args: Any) -> None:
+        now = time.monotonic()
+        if now - self.logged.get((what, whose), -WARN_EVERY_S) < WARN_EVERY_S:
+            return
+        if len(self.logged) >= 1024:  # bounded: identities are cheap
+            self.logged.clear()
+        self.logged[what, whose] = now
+        log.warning(message, *args)
+
+
+def _always(what: str, whose: str, message: str, *args: Any) -> None:
+    log.warning(message, *args)
+
+
+def read_record(
+    subkey: Any, value: Any, auth: SwarmAuth = PUBLIC, warn: Callable[..., None] = _always
+) -> PeerRecord | None:
     """A record as found in the DHT, or None (with the reason logged) unless it is well formed, signed by the key
-    of the peer id it names and, in a private swarm, sealed with the swarm key."""
+    of the peer id it names and, in a private swarm, sealed with the swarm key. ``warn`` logs each refusal
+    (``Refusals``: once a minute)."""
     if not isinstance(value, dict) or not isinstance(subkey, bytes):
-        log.warning("ignoring a peer record that is not a map under a bytes subkey")
+        warn("shape", "", "ignoring a peer record that is not a map under a bytes subkey")
         return None
     content = {k: v for k, v in value.items() if k != "mac"}
     try:
         record = PeerRecord.model_validate(content)
     except ValidationError as exc:
-        log.warning("ignoring a malformed peer record under %r: %s", subkey[:16], exc.errors()[0]["msg"])
+        why = exc.errors()[0]["msg"]
+        warn("malformed", repr(subkey[:16]), "ignoring a malformed peer record under %r: %s", subkey[:16], why)
         return None
     if not owner_of(subkey, record.peer_id):
-        log.warning("ignoring a peer record for %s signed with another identity's key", record.peer_id[-8:])
+        whose = record.peer_id[-8:]
+        warn("forged", whose, "ignoring a peer record for %s signed with another identity's key", whose)
         return None
     if not auth.admits_record(subkey, record.peer_id, content, value.get("mac")):
-        log.warning("ignoring the record of %s: not sealed with this private swarm's key", record.peer_id[-8:])
+        whose = record.peer_id[-8:]
+        warn("unsealed", whose, "ignoring the record of %s: not sealed with this private swarm's key", whose)
         return None
     return record
 
@@ -148,7 +178,9 @@ def read_record(subkey: Any, value: Any, auth: SwarmAuth = PUBLIC) -> PeerRecord
 NOT_IN_STEP = frozenset({"starting", "catching_up"})
 
 
-def plausible(records: dict[str, PeerRecord], my_round: int) -> dict[str, PeerRecord]:
+def plausible(
+    records: dict[str, PeerRecord], my_round: int, warn: Callable[..., None] = _always
+) -> dict[str, PeerRecord]:
     """The records of other peers whose round is at most one ahead of what this node and the other verified peers
     hold (the higher of ``my_round`` and the median of the others', the record's own left out, the upper one of an
     even count): one peer claiming round 10**15 cannot drag a swarm forward (it is never among the others that
@@ -168,7 +200,7 @@ def plausible(records: dict[str, PeerRecord], my_round: int) -> dict[str, PeerRe
             continue
         held = max(my_round, others[len(others) // 2])
         if record.round > held + 1:
-            log.warning("ignoring %s: it claims round %d, the swarm holds %d", peer[-8:], record.round, held)
+            warn("ahead", peer, "ignoring %s: it claims round %d, the swarm holds %d", peer[-8:], record.round, held)
             del kept[peer]
     return kept
 
@@ -183,6 +215,7 @@ class Membership:
         self.record = record
         self.ttl = ttl
         self.auth = auth
+        self.refusals = Refusals()  # why records were ignored, logged once a minute each
         self.key = f"{record.run_id}_peers"
         self.subkey = record_subkey(record.peer_id, signer)
         self.view: dict[str, PeerRecord] = {record.peer_id: record}
@@ -212,7 +245,7 @@ class Membership:
                 record = self._parse(subkey, item.value)
                 if record is not None and record.peer_id != self.record.peer_id:
                     found_records[record.peer_id] = record
-            for record in plausible(found_records, self.record.round).values():
+            for record in plausible(found_records, self.record.round, self.refusals).values():
                 if record.peer_id == self.record.peer_id:
                     continue
                 if record.phase == "leaving":
@@ -230,7 +263,7 @@ class Membership:
         return view
 
     def _parse(self, subkey: Any, value: Any) -> PeerRecord | None:
-        record = read_record(subkey, value, self.auth)
+        record = read_record(subkey, value, self.auth, self.refusals)
         if record is None:
             return None
         if record.run_id != self.record.run_id or record.proto != self.record.proto:

@@ -24,6 +24,7 @@ from hivemind.dht.node import DHTNode
 from hivemind.dht.validation import CompositeValidator
 from hivemind.p2p import P2P
 from hivemind.utils.crypto import RSAPrivateKey
+from hivemind.utils.timed_storage import get_dht_time
 
 from swarmtrain.averaging import (
     PROTOCOL_VERSION,
@@ -34,7 +35,7 @@ from swarmtrain.averaging import (
     RoundSigner,
     leader_candidates,
 )  # fmt: skip
-from swarmtrain.averaging.attack import Attack
+from swarmtrain.averaging.attack import FORGED_AHEAD, Attack
 from swarmtrain.averaging.robust import parse_aggregator
 from swarmtrain.compression import get_codec
 from swarmtrain.config import Config, write_resolved
@@ -214,6 +215,8 @@ class Node:
             await membership.publish()
             await membership.refresh()
             heartbeat = asyncio.create_task(membership.run(node.heartbeat_s))
+            if config.attack.kind == "forge-records":  # tests only
+                heartbeat = _with_forgeries(heartbeat, membership, node.heartbeat_s)
             reachable = asyncio.create_task(self._check_reachability(transport, membership, maddrs))
             try:
                 await self._wait_for_peers(membership)
@@ -646,6 +649,34 @@ def _bounded(value: float, limit: float) -> float | None:
     """``value`` if a record may carry it (finite, in [0, limit]), else None: a record is never copied with a value
     its readers would refuse, which would drop this node from every view."""
     return value if 0.0 <= value <= limit else None
+
+
+def _with_forgeries(heartbeat: asyncio.Task[None], membership: Membership, period: float) -> asyncio.Task[None]:
+    """attack.kind = forge-records (tests only): the heartbeat, and beside it, every ``period`` seconds, a record
+    for every other peer in view, stored under this node's own key, saying that peer left and is far ahead. One
+    task: cancelling it stops both."""
+
+    async def forge() -> None:
+        while True:
+            for peer, record in list(membership.view.items()):
+                if peer == membership.record.peer_id:
+                    continue
+                lie = record.model_copy(update={"round": record.round + FORGED_AHEAD, "phase": "leaving"}).model_dump()
+                subkey = peer.encode() + membership.subkey[len(membership.record.peer_id) :]  # its id, my key
+                with contextlib.suppress(Exception):
+                    value = {**lie, "mac": membership.auth.seal(subkey, lie)}
+                    await membership.dht.store(membership.key, value, get_dht_time() + membership.ttl, subkey=subkey)
+            await asyncio.sleep(period)
+
+    async def both() -> None:
+        forger = asyncio.create_task(forge())
+        try:
+            await heartbeat
+        finally:
+            forger.cancel()
+            heartbeat.cancel()
+
+    return asyncio.create_task(both())
 
 
 def _hostile(config: Config, seed: int) -> Attack | None:

@@ -28,6 +28,7 @@ from prometheus_client import CollectorRegistry, Gauge
 
 from swarmtrain.config import Config
 from swarmtrain.dht import PeerRecord, read_record
+from swarmtrain.dht.membership import Refusals
 from swarmtrain.net import load_auth
 from swarmtrain.node.state import CONTRIBUTING, NodeState
 
@@ -171,6 +172,7 @@ async def watch(config: Config, view: SwarmView, poll_s: float, looks: int = 0) 
     from swarmtrain.node.node import start_dht, start_p2p
 
     auth = load_auth(config.node.swarm_key, config.node.allow_peers)
+    refusals = Refusals()  # a bad record is logged once a minute, not at every look
     p2p = await start_p2p(config, None)
     try:
         dht = await start_dht(p2p, config, RSAPrivateKey(), client=True)
@@ -185,7 +187,7 @@ async def watch(config: Config, view: SwarmView, poll_s: float, looks: int = 0) 
                     records = []
                     if found is not None and isinstance(found.value, dict):
                         for subkey, item in found.value.items():
-                            record = read_record(subkey, item.value, auth)
+                            record = read_record(subkey, item.value, auth, refusals)
                             if record is not None and record.run_id == config.node.run_id:
                                 records.append(record)
                     view.update(records)
