@@ -254,10 +254,13 @@ class AveragingConfig(_Section):
 
 
 class AttackConfig(_Section):
-    kind: Literal["", "scale", "sign-flip", "nan", "random", "big-weight", "alie", "equivocate", "forge-records"] = ""
+    kind: Literal[
+        "", "scale", "sign-flip", "nan", "random", "big-weight", "alie", "equivocate", "forge-records", "outsider"
+    ] = ""
     """TEST ONLY: make this node hostile (its contribution to every round is replaced; with equivocate its reports
-    and digests differ between members; with forge-records it publishes records in other peers' names; see
-    swarmtrain/averaging/attack.py). Empty (the default) is an honest node. Refused unless attack.test_only."""
+    and digests differ between members; with forge-records it publishes records in other peers' names; with
+    outsider it keeps trying a private swarm whose key it lacks; see swarmtrain/averaging/attack.py). Empty (the
+    default) is an honest node. Refused unless attack.test_only."""
     test_only: bool = False
     """Must be true for attack.kind to be accepted: a hostile node is for tests, benchmarks and scenarios only."""
     scale: float = Field(10.0, gt=0.0, le=1e4)

@@ -113,8 +113,9 @@ async def deviation_per_round(
     return deviations
 
 
-# forge-records contributes honestly and lies in the DHT (tested in test_private_swarm and test_hostile_nodes).
-ROUND_KINDS = [k for k in KINDS if k != "forge-records"]
+# forge-records contributes honestly and lies in the DHT, outsider is refused before any round (both tested in
+# test_private_swarm and test_hostile_nodes).
+ROUND_KINDS = [k for k in KINDS if k not in ("forge-records", "outsider")]
 
 
 @pytest.mark.parametrize("kind", ROUND_KINDS)

@@ -7,6 +7,7 @@ import subprocess
 import sys
 import typing
 from collections import Counter
+from pathlib import Path
 
 import pytest
 
@@ -107,3 +108,36 @@ def test_a_node_forging_records_for_every_peer_changes_no_round(swarm: Swarm) ->
         assert set(forged) == honest, (name, forged)  # the forger lied about every honest node, this one included
         lifetime_s = [r for r in swarm.metrics(name) if r["kind"] == "final"][0]["elapsed_s"]
         assert max(forged.values()) <= 2 + lifetime_s // 60, (name, forged, lifetime_s)  # not once per heartbeat
+
+
+@pytest.mark.slow
+def test_an_outsider_that_keeps_trying_gets_nothing_from_a_private_swarm(swarm: Swarm, tmp_path: Path) -> None:
+    """Three nodes of a private swarm and one without its key that does not stop when refused (attack.kind =
+    outsider) and joins through the first: the swarm's rounds are all in groups of its 3 members with one digest,
+    and the outsider, refused at every join and every state call, trains alone; every member ignores its record."""
+    key = tmp_path / "swarm.key"
+    subprocess.run([sys.executable, "-m", "swarmtrain", "keygen", "--swarm", str(key)], check=True)
+    names = ["n0", "n1", "n2"]
+    members = [f"node.swarm_key={key}", "node.min_peers=3"]
+    swarm.start("n0", 3, extra=members)
+    first = swarm.join_line("n0")
+    # It waits, as the members do, until it sees all of them (their records are public to read), then tries.
+    swarm.start("out", 3, join=first, extra=["attack.kind=outsider", "attack.test_only=true", "node.min_peers=4"])
+    for name in names[1:]:
+        swarm.start(name, 3, join=first, extra=members)
+    swarm.wait([*names, "out"], timeout=240)
+    table = digests_by_round(swarm, names)
+    assert sorted(table) == [0, 1, 2]
+    for round_, digests in table.items():
+        assert len(digests) == 3 and len(set(digests.values())) == 1, (round_, digests)
+    outsider = swarm.join_line("out").rsplit("/", 1)[-1]
+    for name in names:
+        assert [r["group_size"] for r in swarm.rounds(name)] == [3, 3, 3], swarm.rounds(name)
+        assert all(outsider not in r["group"] for r in swarm.rounds(name))
+    assert [r["group_size"] for r in swarm.rounds("out")] == [1, 1, 1], swarm.rounds("out")
+    log = swarm.log("out")
+    assert "rejected join: this swarm is private: the call carried no proof of the swarm key" in log, log[-3000:]
+    assert "could not catch up with the swarm" in log, log[-3000:]  # no state served
+    for name in names:
+        assert f"ignoring the record of {outsider[-8:]}: not sealed with this private swarm's key" in swarm.log(name)
+    assert {r["digest"] for r in swarm.rounds("out")}.isdisjoint(d for ds in table.values() for d in ds.values())

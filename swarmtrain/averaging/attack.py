@@ -22,6 +22,10 @@ training literature:
   every other peer it sees, saying that peer left and is ``FORGED_AHEAD`` rounds ahead
   (``swarmtrain.node.node._forge_records``). Unbound to identities, that made peers drop live members from their
   groups and catch up towards a round nobody holds; readers now refuse a record not signed by its peer's key.
+- ``outsider``: a node without a private swarm's key (none, or another) that does not stop when the swarm refuses
+  it (``verify_swarm``): it reads the members' records, asks them for their settings, joins their groups, tries to
+  catch up from them and publishes its own record. It gets nothing: every call is refused (``swarm-key``) and
+  every member ignores its record, so it trains alone.
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ from swarmtrain.averaging.matchmaking import MAX_WEIGHT
 from swarmtrain.compression import BaseCodec, CodecState
 from swarmtrain.compression.wire import pack_header
 
-KINDS = ("scale", "sign-flip", "nan", "random", "big-weight", "alie", "equivocate", "forge-records")
+KINDS = ("scale", "sign-flip", "nan", "random", "big-weight", "alie", "equivocate", "forge-records", "outsider")
 BIG_WEIGHT = 1e6
 FORGED_AHEAD = 10
 
@@ -59,8 +63,9 @@ class Attack:
             return delta * self.scale, weight
         if self.kind == "sign-flip":
             return delta * -self.scale, weight
-        if self.kind in ("nan", "equivocate", "forge-records"):
-            # The payloads carry the NaNs (``wrap_codec``); the exchange equivocates; the node forges records.
+        if self.kind in ("nan", "equivocate", "forge-records", "outsider"):
+            # The payloads carry the NaNs (``wrap_codec``); the exchange equivocates; the node forges records or
+            # calls without the swarm's key.
             return delta, weight
         if self.kind == "random":
             noise = torch.randn(delta.shape, generator=self._noise)
