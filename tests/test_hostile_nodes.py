@@ -18,6 +18,24 @@ from .swarm import Swarm
 from .test_swarm import digests_by_round
 
 
+def three_honest_and_one(swarm: Swarm, rounds: int, *hostile: str) -> list[str]:
+    """Start n0, n1, n2 and ``bad`` (with the ``hostile`` settings), each waiting for all four; returns the names."""
+    names = ["n0", "n1", "n2", "bad"]
+    swarm.start("n0", rounds, extra=["node.min_peers=4"])
+    first = swarm.join_line("n0")
+    for name in names[1:]:
+        bad = [*hostile, "attack.test_only=true"] if name == "bad" else []
+        swarm.start(name, rounds, join=first, extra=["node.min_peers=4", *bad])
+    return names
+
+
+def assert_one_digest_per_round(swarm: Swarm, honest: list[str], rounds: int) -> None:
+    table = digests_by_round(swarm, honest)
+    assert sorted(table) == list(range(rounds))
+    for round_, digests in table.items():
+        assert len(digests) == len(honest) and len(set(digests.values())) == 1, (round_, digests)
+
+
 def test_a_node_refuses_an_attack_not_marked_test_only() -> None:
     proc = subprocess.run(
         [sys.executable, "-m", "swarmtrain", "node", "--set", "attack.kind=scale"],
@@ -35,18 +53,10 @@ def test_every_attack_kind_can_be_set_on_a_node() -> None:
 @pytest.mark.slow
 def test_a_sign_flipping_node_leaves_the_honest_nodes_identical_and_finite(swarm: Swarm) -> None:
     """Three honest nodes and one that sends -100 x its update, under the public default aggregator (auto)."""
-    names = ["n0", "n1", "n2", "bad"]
-    hostile = ["attack.kind=sign-flip", "attack.scale=100", "attack.test_only=true"]
-    swarm.start("n0", 3, extra=["node.min_peers=4"])
-    first = swarm.join_line("n0")
-    for name in names[1:]:
-        swarm.start(name, 3, join=first, extra=["node.min_peers=4", *(hostile if name == "bad" else [])])
+    names = three_honest_and_one(swarm, 3, "attack.kind=sign-flip", "attack.scale=100")
     swarm.wait(names, timeout=240)
     assert "TEST ONLY: this node is hostile" in (swarm.root / "bad" / "node.log").read_text()
-    table = digests_by_round(swarm, names[:3])
-    assert sorted(table) == [0, 1, 2]
-    for round_, digests in table.items():
-        assert len(digests) == 3 and len(set(digests.values())) == 1, (round_, digests)
+    assert_one_digest_per_round(swarm, names[:3], 3)
     assert all(r["group_size"] == 4 for r in swarm.rounds("n0")), swarm.rounds("n0")
     final = [r for r in swarm.metrics("n0") if r["kind"] == "final"][0]
     assert math.isfinite(final["bpb"]) and final["bpb"] < 8.0, final
@@ -57,17 +67,9 @@ def test_an_equivocating_node_is_banned_and_the_honest_nodes_stay_identical(swar
     """Three honest nodes and one that tells every second member of its group other reports and digests, each
     signed with its identity key. Every honest node sees both values through the relays, leaves it out of round
     0's decision and bans it; rounds 1 and 2 run without it. Every round ends with one digest among the honest."""
-    names = ["n0", "n1", "n2", "bad"]
-    hostile = ["attack.kind=equivocate", "attack.test_only=true"]
-    swarm.start("n0", 3, extra=["node.min_peers=4"])
-    first = swarm.join_line("n0")
-    for name in names[1:]:
-        swarm.start(name, 3, join=first, extra=["node.min_peers=4", *(hostile if name == "bad" else [])])
+    names = three_honest_and_one(swarm, 3, "attack.kind=equivocate")
     swarm.wait(names[:3], timeout=240)
-    table = digests_by_round(swarm, names[:3])
-    assert sorted(table) == [0, 1, 2]
-    for round_, digests in table.items():
-        assert len(digests) == 3 and len(set(digests.values())) == 1, (round_, digests)
+    assert_one_digest_per_round(swarm, names[:3], 3)
     bad = swarm.join_line("bad").rsplit("/", 1)[-1]
     for name in names[:3]:
         rounds = swarm.rounds(name)
@@ -83,18 +85,10 @@ def test_a_node_forging_records_for_every_peer_changes_no_round(swarm: Swarm) ->
     saying that peer left 10 rounds ahead. Every honest node refuses the forgeries (each logged once a minute, not
     every heartbeat), so no one is dropped from a group or catches up: every round has all four members, the forger
     included (its own record and update are honest), and ends with one digest among the honest."""
-    names = ["n0", "n1", "n2", "bad"]
-    hostile = ["attack.kind=forge-records", "attack.test_only=true"]
-    swarm.start("n0", 4, extra=["node.min_peers=4"])
-    first = swarm.join_line("n0")
-    for name in names[1:]:
-        swarm.start(name, 4, join=first, extra=["node.min_peers=4", *(hostile if name == "bad" else [])])
+    names = three_honest_and_one(swarm, 4, "attack.kind=forge-records")
     swarm.wait(names, timeout=240)
     honest = {swarm.join_line(name).rsplit("/", 1)[-1][-8:] for name in names[:3]}
-    table = digests_by_round(swarm, names[:3])
-    assert sorted(table) == [0, 1, 2, 3]
-    for round_, digests in table.items():
-        assert len(digests) == 3 and len(set(digests.values())) == 1, (round_, digests)
+    assert_one_digest_per_round(swarm, names[:3], 4)
     for name in names[:3]:
         rounds = swarm.rounds(name)
         assert [(r["group_size"], r["outcome"]) for r in rounds] == [(4, "applied")] * 4, rounds
@@ -126,10 +120,7 @@ def test_an_outsider_that_keeps_trying_gets_nothing_from_a_private_swarm(swarm: 
     for name in names[1:]:
         swarm.start(name, 3, join=first, extra=members)
     swarm.wait([*names, "out"], timeout=240)
-    table = digests_by_round(swarm, names)
-    assert sorted(table) == [0, 1, 2]
-    for round_, digests in table.items():
-        assert len(digests) == 3 and len(set(digests.values())) == 1, (round_, digests)
+    assert_one_digest_per_round(swarm, names, 3)
     outsider = swarm.join_line("out").rsplit("/", 1)[-1]
     for name in names:
         assert [r["group_size"] for r in swarm.rounds(name)] == [3, 3, 3], swarm.rounds(name)
@@ -140,4 +131,5 @@ def test_an_outsider_that_keeps_trying_gets_nothing_from_a_private_swarm(swarm: 
     assert "could not catch up with the swarm" in log, log[-3000:]  # no state served
     for name in names:
         assert f"ignoring the record of {outsider[-8:]}: not sealed with this private swarm's key" in swarm.log(name)
-    assert {r["digest"] for r in swarm.rounds("out")}.isdisjoint(d for ds in table.values() for d in ds.values())
+    swarm_digests = {d for ds in digests_by_round(swarm, names).values() for d in ds.values()}
+    assert {r["digest"] for r in swarm.rounds("out")}.isdisjoint(swarm_digests)

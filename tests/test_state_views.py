@@ -113,24 +113,24 @@ async def test_each_state_and_its_reason_show_on_the_node_and_the_swarm_dashboar
     browser = chromium()
     statuses, dht = await wired_nodes(identities)
     view = swarm_view(dht)
-    metrics = SwarmMetrics(view)
-    server = ObserveServer(
-        view.snapshot, metrics.registry, "127.0.0.1", 0, pages=dashboard(), on_scrape=metrics.refresh
+    page = await read_page(
+        browser, ObserveServer(view.snapshot, SwarmMetrics(view).registry, "127.0.0.1", 0, pages=dashboard())
     )
+    shown = {p: (row["data-state"], row["data-reason"]) for p, row in page.rows.items()}
+    assert shown == {identities[s].peer_id: (str(s), REASONS[s]) for s in REASONS}
+    for state, status in statuses.items():
+        page = await read_page(
+            browser, ObserveServer(status.snapshot, NodeMetrics().registry, "127.0.0.1", 0, pages=dashboard())
+        )
+        assert (page.texts["state"], page.texts["reason"]) == (str(state), f"({REASONS[state]})"), page.texts
+
+
+async def read_page(browser: str, server: ObserveServer) -> Page:
+    """The dashboard ``server`` serves, as Chromium renders it."""
     server.start()
     try:
         page = Page()
         page.feed(await asyncio.to_thread(browse, browser, server.url + "/"))
+        return page
     finally:
         server.close()
-    shown = {p: (row["data-state"], row["data-reason"]) for p, row in page.rows.items()}
-    assert shown == {identities[s].peer_id: (str(s), REASONS[s]) for s in REASONS}
-    for state, status in statuses.items():
-        server = ObserveServer(status.snapshot, NodeMetrics().registry, "127.0.0.1", 0, pages=dashboard())
-        server.start()
-        try:
-            page = Page()
-            page.feed(await asyncio.to_thread(browse, browser, server.url + "/"))
-        finally:
-            server.close()
-        assert (page.texts["state"], page.texts["reason"]) == (str(state), f"({REASONS[state]})"), page.texts
