@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import re
+import subprocess
 from pathlib import Path
 
 import pytest
 
 from swarmtrain.cli import main
 from swarmtrain.scenarios import ScenarioError, parse_spec
+from swarmtrain.scenarios.spec import load_spec
 
 GOOD = """\
 [swarm]
@@ -166,3 +169,14 @@ def test_link_mistakes_name_their_line_and_key(text: str, expected: str) -> None
 @pytest.mark.parametrize("path", sorted(Path(__file__).parent.parent.glob("scenarios/*.toml")), ids=lambda p: p.name)
 def test_every_shipped_scenario_passes_check(path: Path) -> None:
     main(["scenario", "check", str(path)])
+
+
+def test_each_lab_names_shipped_scenarios_and_a_lab_that_does_not_exist_is_refused() -> None:
+    script = Path(__file__).parent.parent / "scenarios" / "lab.sh"
+    labs = dict(re.findall(r'^\s+(\d)\) runs="([^"]+)"', script.read_text(), flags=re.M))
+    assert sorted(labs) == ["1", "2", "3"], labs
+    for lab, runs in labs.items():
+        for run in runs.split():
+            assert load_spec(script.parent / f"{run}.toml").nodes, (lab, run)  # exists and is a valid scenario
+    done = subprocess.run(["bash", str(script), "9"], capture_output=True, text=True, timeout=30)
+    assert done.returncode == 2 and "usage: scenarios/lab.sh 1|2|3" in done.stderr, done

@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# One lab of the course, end to end: run its scenarios, then compare them (a table and one plot).
+#   scenarios/lab.sh 1|2|3 [OUT]        (OUT: runs/labN; swarmtrain on PATH, e.g. . .venv/bin/activate)
+# 1: FedAvg with H = 1, 4, 16, 64 at one token budget; 2: DiLoCo vs FedAvg vs synchronous data parallel (H = 1);
+# 3: the top 1 % of the update with and without error feedback vs the whole update.
+set -euo pipefail
+lab=${1:-}
+out=${2:-runs/lab$lab}
+case $lab in
+    1) runs="lab1-fedavg-h1 lab1-fedavg-h4 lab1-fedavg-h16 lab1-fedavg-h64" ;;
+    2) runs="lab1-fedavg-h1 lab1-fedavg-h16 lab2-diloco-h16" ;;
+    3) runs="lab2-diloco-h16 lab3-topk lab3-topk-no-ef" ;;
+    *) echo "usage: scenarios/lab.sh 1|2|3 [OUT]: lab 1 (FedAvg and H), 2 (DiLoCo), 3 (top-k)" >&2; exit 2 ;;
+esac
+here=$(dirname "$0")
+folders=()
+for run in $runs; do
+    swarmtrain scenario run "$here/$run.toml" --out "$out/$run"
+    folders+=("$out/$run")
+done
+swarmtrain scenario compare "${folders[@]}" --out "$out/compare"
