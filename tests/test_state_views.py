@@ -3,7 +3,7 @@
 (`swarmtrain dashboard --join`); with a browser (slow), on both dashboard pages. The node's own wiring carries the
 state: its ``NodeStatus`` listeners feed the metrics and the record (as ``Node.run`` installs them). Which
 situation puts a node in which state is tested where it happens: late, left out and unreachable in
-test_observe, catching up in test_private_swarm and test_node_catch_up, observing in test_swarm, banned in
+test_observe, the decision to catch up in test_node_catch_up, observing in test_swarm, banned in
 test_bans_status, a config mismatch in test_doctor, leaving in test_swarmview."""
 
 from __future__ import annotations
