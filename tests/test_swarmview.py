@@ -62,7 +62,8 @@ def test_each_round_shows_the_mean_loss_and_bpb_of_the_peers_that_finished_it_an
         B: {"loss": 5.0, "bpb": None, "bytes_sent": 3000},
     }
     assert status["round"] == 2 and status["contributed"] == {A: 300.0, B: 0.0}
-    assert status["swarm"] == "test" and status["reason"] == "2 of 2 peers contributing (after 4 looks)"
+    assert (status["swarm"], status["state"]) == ("test", "watching")
+    assert status["reason"] == "2 of 2 peers contributing (after 4 looks)"
     assert (status["peers"][A]["state"], status["peers"][A]["round"], status["peers"][A]["loss"]) == (
         "training",
         2,

@@ -105,7 +105,7 @@ class SwarmView:
             "swarm": self.run_id,
             "peer_id": "",
             "round": max((r.round for r in records.values()), default=0),
-            "state": str(NodeState.OBSERVING),
+            "state": "watching",  # a dashboard of the swarm is no node: it watches the records
             "reason": problem or f"{contributing} of {len(records)} peers contributing (after {looks} looks)",
             "contributing": contributing > 0,
             "peers": {
