@@ -436,6 +436,7 @@ class Node:
         started = time.perf_counter()
         self._logged_at = 0.0  # seconds after ``started`` of the last round line (``_log_round``)
         last_inner = 0.0
+        whole_inner = 0.0  # my last inner phase that Ctrl+C did not cut short: what my peers still train
         while node.rounds == 0 or averager.round < node.rounds:
             if self.leaving or (
                 config.train.max_time is not None and time.perf_counter() - started > config.train.max_time
@@ -459,6 +460,8 @@ class Node:
                     trainer.run, node.inner_steps, node.inner_time_s, node.test_step_delay_s
                 )
                 last_inner = inner_s
+                if not self.leaving:
+                    whole_inner = inner_s
                 if self.leaving and tokens == 0:
                     break  # asked to leave before a single step of this round: nothing to contribute
             membership.update(phase="averaging", tokens_per_s=tokens / max(last_inner, 1e-9), inner_s=last_inner)
@@ -476,7 +479,8 @@ class Node:
             if observing:
                 # Just caught up: join the group the others form rather than lead one they may have given up on.
                 candidates = [*(c for c in candidates if c != averager.me), averager.me]
-            gather = self._gather_timeout(membership, set(candidates), last_inner)
+            # Leaving, I cut my steps short, but my group did not: as its leader I wait as if I had not.
+            gather = self._gather_timeout(membership, set(candidates), max(last_inner, whole_inner))
             averager.matchmaker.join_timeout = max(30.0, 3 * last_inner)  # a slow leader, not a dead one
             try:
                 await averager.reconcile()  # after a round I could not confirm: my residual to the group's decision
