@@ -1,7 +1,15 @@
 """Swarm membership on hivemind's DHT: signed, expiring peer records and a live view of the swarm."""
 
 from swarmtrain.dht.identity import IdentityError, load_identity_key
-from swarmtrain.dht.membership import BanEntry, Membership, PeerRecord, ban_table, read_record, record_validators
+from swarmtrain.dht.membership import (
+    BanEntry,
+    Membership,
+    PeerRecord,
+    ban_table,
+    read_record,
+    record_validators,
+    swarm_records,
+)
 
 __all__ = [
     "BanEntry",
@@ -12,4 +20,5 @@ __all__ = [
     "load_identity_key",
     "read_record",
     "record_validators",
+    "swarm_records",
 ]

@@ -174,6 +174,21 @@ def read_record(
     return record
 
 
+async def swarm_records(
+    dht: DHTNode, run_id: str, auth: SwarmAuth = PUBLIC, warn: Callable[..., None] = _always
+) -> list[PeerRecord]:
+    """The records of swarm ``run_id`` that the DHT holds and ``read_record`` accepts, sorted by peer id (none when
+    the lookup found nothing). Each is its peer's claim: ``plausible`` says which to believe."""
+    found = await dht.get(f"{run_id}_peers", latest=True)
+    records = []
+    if found is not None and isinstance(found.value, dict):
+        for subkey, item in found.value.items():
+            record = read_record(subkey, item.value, auth, warn)
+            if record is not None and record.run_id == run_id:
+                records.append(record)
+    return sorted(records, key=lambda r: r.peer_id)
+
+
 # Peers whose round says nothing of what the swarm holds: still waiting for node.min_peers, or downloading the state.
 NOT_IN_STEP = frozenset({"starting", "catching_up"})
 
@@ -236,40 +251,29 @@ class Membership:
         """Look the swarm up again. A peer missing from one lookup stays in the view until ``ttl`` seconds after
         it was last seen (a lookup that failed or reached few DHT peers is not news that peers left); a peer that
         announced its leave goes at once."""
-        found = await self.dht.get(self.key, latest=True)
+        found = await swarm_records(self.dht, self.record.run_id, self.auth, self.refusals)
         now = time.monotonic()
         view: dict[str, PeerRecord] = {self.record.peer_id: self.record}
         found_records: dict[str, PeerRecord] = {}
-        if found is not None and isinstance(found.value, dict):
-            for subkey, item in found.value.items():
-                record = self._parse(subkey, item.value)
-                if record is not None and record.peer_id != self.record.peer_id:
-                    found_records[record.peer_id] = record
-            for record in plausible(found_records, self.record.round, self.refusals).values():
-                if record.peer_id == self.record.peer_id:
-                    continue
-                if record.phase == "leaving":
-                    self.seen_at.pop(record.peer_id, None)
-                    self.left.add(record.peer_id)
-                else:
-                    self.left.discard(record.peer_id)  # back with the same identity (--resume)
-                    view[record.peer_id] = record
-                    self.seen_at[record.peer_id] = now
+        for record in found:
+            if record.proto != self.record.proto:
+                log.debug("ignoring %s: protocol v%d", record.peer_id[-8:], record.proto)
+            elif record.peer_id != self.record.peer_id:
+                found_records[record.peer_id] = record
+        for record in plausible(found_records, self.record.round, self.refusals).values():
+            if record.phase == "leaving":
+                self.seen_at.pop(record.peer_id, None)
+                self.left.add(record.peer_id)
+            else:
+                self.left.discard(record.peer_id)  # back with the same identity (--resume)
+                view[record.peer_id] = record
+                self.seen_at[record.peer_id] = now
         for peer, record in self.view.items():
             if peer not in view and now - self.seen_at.get(peer, -float("inf")) < self.ttl:
                 view[peer] = record
         self.seen_at = {peer: t for peer, t in self.seen_at.items() if peer in view}
         self.view = view
         return view
-
-    def _parse(self, subkey: Any, value: Any) -> PeerRecord | None:
-        record = read_record(subkey, value, self.auth, self.refusals)
-        if record is None:
-            return None
-        if record.run_id != self.record.run_id or record.proto != self.record.proto:
-            log.debug("ignoring %s: run %r v%d", record.peer_id[-8:], record.run_id, record.proto)
-            return None
-        return record
 
     async def run(self, period: float) -> None:
         """Heartbeat: publish and refresh every ``period`` seconds until cancelled."""

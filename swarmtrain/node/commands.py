@@ -16,17 +16,16 @@ from pathlib import Path
 from typing import Any
 
 import uvloop
-from hivemind.utils.crypto import RSAPrivateKey
 from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
 from swarmtrain.config import Config
-from swarmtrain.dht import PeerRecord, load_identity_key, read_record
+from swarmtrain.dht import PeerRecord, load_identity_key, swarm_records
 from swarmtrain.logs import current_log_format
 from swarmtrain.net import P2PTransport, load_auth, serve_hello
 from swarmtrain.net.reachability import serve_dialback
-from swarmtrain.node.node import Node, NodeError, join_line, start_dht, start_p2p
+from swarmtrain.node.node import Node, NodeError, dht_client, join_line, start_dht, start_p2p
 from swarmtrain.node.observe import ObserveServer, dashboard
 from swarmtrain.node.panel import Panel
 from swarmtrain.node.settings import serve_settings, swarm_settings
@@ -123,23 +122,9 @@ def run_dashboard(config: Config, host: str, port: int, poll_s: float) -> None:
 async def fetch_records(config: Config) -> list[PeerRecord]:
     if not config.node.join:
         raise NodeError("node error: `swarmtrain status` needs --join ADDR: the address of any peer of the swarm.")
-    p2p = await start_p2p(config, None)
-    try:
-        dht = await start_dht(p2p, config, RSAPrivateKey(), client=True)
-        try:
-            found = await dht.get(f"{config.node.run_id}_peers", latest=True)
-        finally:
-            await dht.shutdown()
-    finally:
-        await p2p.shutdown()
     auth = load_auth(config.node.swarm_key, config.node.allow_peers)
-    records = []
-    if found is not None and isinstance(found.value, dict):
-        for subkey, item in found.value.items():
-            record = read_record(subkey, item.value, auth)
-            if record is not None:
-                records.append(record)
-    return sorted(records, key=lambda r: r.peer_id)
+    async with dht_client(config) as dht:
+        return await swarm_records(dht, config.node.run_id, auth)
 
 
 def show_status(config: Config, as_json: bool) -> None:

@@ -174,7 +174,7 @@ async def check_announce(config: Config, p2p: P2P) -> Check:
 
 async def check_swarm(config: Config) -> list[Check]:
     """Reach the swarm through node.join and compare its settings with this config's."""
-    from swarmtrain.dht import read_record
+    from swarmtrain.dht import swarm_records
     from swarmtrain.node.node import NodeError, join_peers, start_dht, start_p2p
 
     try:
@@ -193,12 +193,10 @@ async def check_swarm(config: Config) -> list[Check]:
         with contextlib.suppress(NodeError):
             dht = await start_dht(p2p, config, RSAPrivateKey(), client=True)
             try:
-                found = await dht.get(f"{config.node.run_id}_peers", latest=True)
+                records = await swarm_records(dht, config.node.run_id, auth)
             finally:
                 await dht.shutdown()
-            if found is not None and isinstance(found.value, dict):
-                records = [read_record(k, v.value, auth) for k, v in found.value.items()]
-                peers += [r.peer_id for r in records if r is not None and r.phase != "leaving"]
+            peers += [r.peer_id for r in records if r.phase != "leaving"]
         answers = await ask_settings(transport, peers)
         if not answers:
             return [Check("swarm", False, "no peer answered with its settings", "check node.join")]

@@ -17,6 +17,7 @@ import logging
 import time
 import zlib
 from collections import Counter
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -46,7 +47,7 @@ from swarmtrain.errors import CheckpointError, SwarmtrainError
 from swarmtrain.net import P2PTransport, load_auth, serve_hello, verify_swarm
 from swarmtrain.net.reachability import FIX, ask_dialback, dialable, is_loopback, serve_dialback
 from swarmtrain.node.inner import InnerLoop, build_inner_loop
-from swarmtrain.node.observe import NodeMetrics, ObserveServer, dashboard
+from swarmtrain.node.observe import NodeMetrics, ObserveServer, dashboard, peer_row
 from swarmtrain.node.resume import open_run_dir, outer_state
 from swarmtrain.node.settings import ConfigMismatch, check_settings, serve_settings, swarm_settings
 from swarmtrain.node.state import Miss, NodeState, NodeStatus, round_state
@@ -63,7 +64,7 @@ class NodeError(SwarmtrainError):
     """The node cannot start or reach the swarm."""
 
 
-async def start_p2p(config: Config, identity: Path | None, client: bool = False) -> P2P:
+async def start_p2p(config: Config, identity: Path | None) -> P2P:
     """Start the p2pd daemon; an unreachable --join address becomes a clear error."""
     node = config.node
     kwargs: dict[str, Any] = {"host_maddrs": node.host, "announce_maddrs": node.announce or None}
@@ -101,6 +102,21 @@ async def start_dht(p2p: P2P, config: Config, private_key: RSAPrivateKey, client
             f"node error: none of the peers in node.join answered as a DHT peer ({exc}). Check the addresses "
             "and that those peers are running."
         ) from None
+
+
+@contextlib.asynccontextmanager
+async def dht_client(config: Config) -> AsyncIterator[DHTNode]:
+    """A DHT client reached through node.join, with a throwaway identity, for reading the swarm's records
+    (`swarmtrain status`, the swarm's dashboard): it stores nothing and trains nothing."""
+    p2p = await start_p2p(config, None)
+    try:
+        dht = await start_dht(p2p, config, RSAPrivateKey(), client=True)
+        try:
+            yield dht
+        finally:
+            await dht.shutdown()
+    finally:
+        await p2p.shutdown()
 
 
 def join_peers(config: Config) -> list[str]:
@@ -216,16 +232,18 @@ class Node:
             await membership.publish()
             await membership.refresh()
             heartbeat = asyncio.create_task(membership.run(node.heartbeat_s))
+            forger = None
             if config.attack.kind == "forge-records":  # tests only
-                heartbeat = _with_forgeries(heartbeat, membership, node.heartbeat_s)
+                forger = asyncio.create_task(_forge_records(membership, node.heartbeat_s))
             reachable = asyncio.create_task(self._check_reachability(transport, membership, maddrs))
             try:
                 await self._wait_for_peers(membership)
                 await self._sync_on_start(averager, membership, trainer)
                 await self._train(trainer, averager, membership, transport)
             finally:
-                heartbeat.cancel()
-                reachable.cancel()
+                for task in (heartbeat, reachable, forger):
+                    if task is not None:
+                        task.cancel()
                 with contextlib.suppress(Exception):
                     await asyncio.wait_for(membership.leave(), 3.0)
                 await asyncio.to_thread(trainer.stop)  # an interrupted round's steps end before the checkpoint
@@ -656,32 +674,19 @@ def _bounded(value: float, limit: float) -> float | None:
     return value if 0.0 <= value <= limit else None
 
 
-def _with_forgeries(heartbeat: asyncio.Task[None], membership: Membership, period: float) -> asyncio.Task[None]:
-    """attack.kind = forge-records (tests only): the heartbeat, and beside it, every ``period`` seconds, a record
-    for every other peer in view, stored under this node's own key, saying that peer left and is far ahead. One
-    task: cancelling it stops both."""
-
-    async def forge() -> None:
-        while True:
-            for peer, record in list(membership.view.items()):
-                if peer == membership.record.peer_id:
-                    continue
-                lie = record.model_copy(update={"round": record.round + FORGED_AHEAD, "phase": "leaving"}).model_dump()
-                subkey = peer.encode() + membership.subkey[len(membership.record.peer_id) :]  # its id, my key
-                with contextlib.suppress(Exception):
-                    value = {**lie, "mac": membership.auth.seal(subkey, lie)}
-                    await membership.dht.store(membership.key, value, get_dht_time() + membership.ttl, subkey=subkey)
-            await asyncio.sleep(period)
-
-    async def both() -> None:
-        forger = asyncio.create_task(forge())
-        try:
-            await heartbeat
-        finally:
-            forger.cancel()
-            heartbeat.cancel()
-
-    return asyncio.create_task(both())
+async def _forge_records(membership: Membership, period: float) -> None:
+    """attack.kind = forge-records (tests only): every ``period`` seconds, a record for every other peer in view,
+    stored under this node's own key, saying that peer left and is far ahead."""
+    while True:
+        for peer, record in list(membership.view.items()):
+            if peer == membership.record.peer_id:
+                continue
+            lie = record.model_copy(update={"round": record.round + FORGED_AHEAD, "phase": "leaving"}).model_dump()
+            subkey = peer.encode() + membership.subkey[len(membership.record.peer_id) :]  # its id, my key
+            with contextlib.suppress(Exception):
+                value = {**lie, "mac": membership.auth.seal(subkey, lie)}
+                await membership.dht.store(membership.key, value, get_dht_time() + membership.ttl, subkey=subkey)
+        await asyncio.sleep(period)
 
 
 def _hostile(config: Config, seed: int) -> Attack | None:
@@ -694,8 +699,4 @@ def _hostile(config: Config, seed: int) -> Attack | None:
 
 def _peer_table(membership: Membership) -> dict[str, dict[str, Any]]:
     """Each peer in the view as /status shows it (read from the HTTP thread: the view is replaced, never mutated)."""
-    return {
-        p: {"round": r.round, "state": r.state, "reason": r.reason, "phase": r.phase, "tokens_per_s": r.tokens_per_s,
-            "device": r.device, "addrs": r.addrs[:1], "bans": {b: ban.model_dump() for b, ban in r.bans.items()}}
-        for p, r in membership.view.items()
-    }  # fmt: skip
+    return {peer: peer_row(record) for peer, record in membership.view.items()}

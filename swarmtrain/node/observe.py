@@ -24,11 +24,22 @@ from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from prometheus_client import CollectorRegistry, Counter, Enum, Gauge, make_wsgi_app
 
+from swarmtrain.dht import PeerRecord
 from swarmtrain.node.state import NodeState
 
 log = logging.getLogger(__name__)
 
 StartResponse = Callable[[str, list[tuple[str, str]]], Any]
+
+
+def peer_row(record: PeerRecord) -> dict[str, Any]:
+    """A peer as ``/status`` lists it (a node's and the swarm dashboard's): what its record claims."""
+    return {
+        "round": record.round, "state": record.state, "reason": record.reason, "phase": record.phase,
+        "tokens_per_s": record.tokens_per_s, "device": record.device, "addrs": record.addrs[:1], "loss": record.loss,
+        "bpb": record.bpb, "tokens": record.tokens,
+        "bans": {peer: ban.model_dump() for peer, ban in record.bans.items()},
+    }  # fmt: skip
 
 
 class NodeMetrics:

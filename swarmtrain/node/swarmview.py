@@ -23,13 +23,13 @@ from collections import deque
 from collections.abc import Iterable
 from typing import Any
 
-from hivemind.utils.crypto import RSAPrivateKey
 from prometheus_client import CollectorRegistry, Gauge
 
 from swarmtrain.config import Config
-from swarmtrain.dht import PeerRecord, read_record
+from swarmtrain.dht import PeerRecord, swarm_records
 from swarmtrain.dht.membership import Refusals
 from swarmtrain.net import load_auth
+from swarmtrain.node.observe import peer_row
 from swarmtrain.node.state import CONTRIBUTING, NodeState
 
 log = logging.getLogger(__name__)
@@ -45,7 +45,7 @@ class SwarmView:
         self.run_id = run_id
         self.ttl = ttl  # a peer whose record is missing this long has left (its record expired)
         self.history = history
-        self._lock = threading.Lock()
+        self.lock = threading.Lock()
         self.records: dict[str, PeerRecord] = {}
         self.seen: dict[str, float] = {}  # peer -> when its record was last found
         self.points: dict[int, dict[str, PeerRecord]] = {}  # round -> peer -> its record right after that round
@@ -54,7 +54,7 @@ class SwarmView:
         self.problem = "no look at the swarm yet"  # why the last look failed, or "" when it worked
 
     def failed(self, why: str) -> None:
-        with self._lock:
+        with self.lock:
             self.problem = why
 
     def update(self, records: Iterable[PeerRecord], now: float | None = None) -> None:
@@ -62,7 +62,7 @@ class SwarmView:
         claims for the round its record says it finished."""
         now = time.time() if now is None else now
         found = {r.peer_id: r for r in records}
-        with self._lock:
+        with self.lock:
             self.looks += 1
             self.problem = "" if found else "the lookup found no peer records (yet)"
             for peer, record in found.items():
@@ -96,7 +96,7 @@ class SwarmView:
 
     def snapshot(self) -> dict[str, Any]:
         """``/status`` of the swarm: the fields a node's dashboard reads, for every peer."""
-        with self._lock:
+        with self.lock:
             records = dict(self.records)
             points = {r: dict(peers) for r, peers in sorted(self.points.items())}
             events, looks, problem = list(self.events), self.looks, self.problem
@@ -108,22 +108,7 @@ class SwarmView:
             "state": "watching",  # a dashboard of the swarm is no node: it watches the records
             "reason": problem or f"{contributing} of {len(records)} peers contributing (after {looks} looks)",
             "contributing": contributing > 0,
-            "peers": {
-                p: {
-                    "round": r.round,
-                    "state": r.state,
-                    "reason": r.reason,
-                    "phase": r.phase,
-                    "tokens_per_s": r.tokens_per_s,
-                    "device": r.device,
-                    "addrs": r.addrs[:1],
-                    "loss": r.loss,
-                    "bpb": r.bpb,
-                    "tokens": r.tokens,
-                    "bans": {b: ban.model_dump() for b, ban in r.bans.items()},
-                }
-                for p, r in records.items()
-            },  # fmt: skip
+            "peers": {p: peer_row(r) for p, r in records.items()},
             "contributed": {p: float(r.tokens) for p, r in records.items()},
             "history": [_round_point(round_, peers) for round_, peers in points.items()],
             "events": events,
@@ -158,42 +143,31 @@ class SwarmMetrics:
         self.view = view
 
     def refresh(self) -> None:
-        status = self.view.snapshot()
+        with self.view.lock:
+            records = list(self.view.records.values())
         counts = {str(s): 0 for s in NodeState}
-        for peer in status["peers"].values():
-            counts[peer["state"] or peer["phase"]] = counts.get(peer["state"] or peer["phase"], 0) + 1
+        for record in records:
+            state = record.state or record.phase
+            counts[state] = counts.get(state, 0) + 1
         for state, count in counts.items():
             self.peers.labels(state=state).set(count)
-        self.round.set(status["round"])
+        self.round.set(max((r.round for r in records), default=0))
 
 
 async def watch(config: Config, view: SwarmView, poll_s: float, looks: int = 0) -> None:
     """Look the swarm up every ``poll_s`` seconds (``looks`` times, or until cancelled when 0) into ``view``."""
-    from swarmtrain.node.node import start_dht, start_p2p
+    from swarmtrain.node.node import dht_client
 
     auth = load_auth(config.node.swarm_key, config.node.allow_peers)
     refusals = Refusals()  # a bad record is logged once a minute, not at every look
-    p2p = await start_p2p(config, None)
-    try:
-        dht = await start_dht(p2p, config, RSAPrivateKey(), client=True)
-        try:
-            done = 0
-            while looks == 0 or done < looks:
-                try:
-                    found = await asyncio.wait_for(dht.get(f"{config.node.run_id}_peers", latest=True), 30)
-                except (TimeoutError, OSError) as exc:
-                    view.failed(f"the last lookup failed: {exc!r}")
-                else:
-                    records = []
-                    if found is not None and isinstance(found.value, dict):
-                        for subkey, item in found.value.items():
-                            record = read_record(subkey, item.value, auth, refusals)
-                            if record is not None and record.run_id == config.node.run_id:
-                                records.append(record)
-                    view.update(records)
-                done += 1
-                await asyncio.sleep(poll_s)
-        finally:
-            await dht.shutdown()
-    finally:
-        await p2p.shutdown()
+    async with dht_client(config) as dht:
+        done = 0
+        while looks == 0 or done < looks:
+            try:
+                records = await asyncio.wait_for(swarm_records(dht, config.node.run_id, auth, refusals), 30)
+            except (TimeoutError, OSError) as exc:
+                view.failed(f"the last lookup failed: {exc!r}")
+            else:
+                view.update(records)
+            done += 1
+            await asyncio.sleep(poll_s)
