@@ -211,6 +211,11 @@ class NodeConfig(_Section):
             raise ValueError("node.record_ttl_s must be at least twice node.heartbeat_s")
         return self
 
+    @property
+    def private(self) -> bool:
+        """A private swarm: its members hold its key, or are listed by peer id."""
+        return bool(self.swarm_key or self.allow_peers)
+
 
 class AveragingConfig(_Section):
     group_size: int = Field(16, ge=2, le=256)
@@ -241,6 +246,14 @@ class AveragingConfig(_Section):
     cap: token weights at that multiple of the median). auto: mean in a private swarm (node.swarm_key or
     node.allow_peers set),
     centered-clip in a public one."""
+    verify: float = Field(0.0, ge=0.0, le=256.0)
+    """Parts of other reducers' shards a node checks each round, on average (0.5: one every second round; 2: two,
+    of two reducers), picked at random (replicated reduction): it fetches the contributions the reducer averaged,
+    each signed by its sender, recomputes the part and, if the result differs, withholds the shard (no member
+    applies it) and bans the reducer. In a group of g with h honest members, a reducer that alters its shard is
+    caught in a round with probability 1 - (1 - verify / (g - 1)) ** h; verify = g - 1 checks every shard. Each
+    check costs about g parts of traffic. 0 (the default) checks nothing; every node of a swarm needs the same
+    value (dense codecs only: sparse and low-rank payloads are averaged by every member, with no reducer)."""
     ban_rounds: int = Field(10, ge=0, le=1_000_000)
     """Rounds a peer caught sending an invalid payload (malformed, non-finite, out of bounds) is left out of this
     node's groups, with the reason logged; 0 bans nobody."""
@@ -255,16 +268,18 @@ class AveragingConfig(_Section):
 
 class AttackConfig(_Section):
     kind: Literal[
-        "", "scale", "sign-flip", "nan", "random", "big-weight", "alie", "equivocate", "forge-records", "outsider"
-    ] = ""
+        "", "scale", "sign-flip", "nan", "random", "big-weight", "alie", "equivocate", "forge-records", "outsider",
+        "bad-reducer",
+    ] = ""  # fmt: skip
     """TEST ONLY: make this node hostile (its contribution to every round is replaced; with equivocate its reports
     and digests differ between members; with forge-records it publishes records in other peers' names; with
-    outsider it keeps trying a private swarm whose key it lacks; see swarmtrain/averaging/attack.py). Empty (the
-    default) is an honest node. Refused unless attack.test_only."""
+    outsider it keeps trying a private swarm whose key it lacks; with bad-reducer it alters the shard it reduces;
+    see swarmtrain/averaging/attack.py). Empty (the default) is an honest node. Refused unless attack.test_only."""
     test_only: bool = False
     """Must be true for attack.kind to be accepted: a hostile node is for tests, benchmarks and scenarios only."""
     scale: float = Field(10.0, gt=0.0, le=1e4)
-    """scale, sign-flip: the factor on the update; random: the noise norm as a multiple of the update's."""
+    """scale, sign-flip: the factor on the update; random: the noise norm as a multiple of the update's;
+    bad-reducer: the factor (negated) on the shard it sends."""
     z: float = Field(1.0, gt=0.0, le=100.0)
     """alie: the shift in standard deviations per coordinate."""
 
@@ -311,8 +326,7 @@ class Config(_Section):
         from swarmtrain.averaging.robust import parse_aggregator
 
         try:
-            private = bool(self.node.swarm_key or self.node.allow_peers)
-            agg = parse_aggregator(self.averaging.aggregator, private=private)
+            agg = parse_aggregator(self.averaging.aggregator, private=self.node.private)
         except ValueError as exc:
             raise ValueError(f"averaging.aggregator: {exc}") from None
         if agg.kind in ("median", "trimmed-mean") and self.averaging.codec.split(":")[0] in ("topk", "dct-topk"):

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import random
 
 import pytest
 import torch
@@ -39,11 +40,21 @@ def identities() -> list[tuple[str, RSAPrivateKey]]:
     return sorted((peer_id_of(key.get_public_key().to_bytes()), key) for key in keys)  # hostile ones: highest ids
 
 
-def make_group(aggregator: str, kind: str, codec: str = "fp32", signed: bool = True) -> list[Averager]:
+def make_group(
+    aggregator: str,
+    kind: str,
+    codec: str = "fp32",
+    signed: bool = True,
+    verify: float = 0.0,
+    members: int = MEMBERS,
+    hostile: int = HOSTILE,
+) -> list[Averager]:
+    """``members`` averagers, the last ``hostile`` of them with attack ``kind``; each member draws the parts it
+    checks (``verify``) from its own seeded generator, so a run replays exactly."""
     net = MemoryNetwork()
     averagers = []
-    for i, (peer, key) in enumerate(identities()):
-        attack = Attack(kind, seed=i) if i >= MEMBERS - HOSTILE else None
+    for i, (peer, key) in enumerate(identities()[MEMBERS - members :]):
+        attack = Attack(kind, seed=i) if i >= members - hostile else None
         up = attack.wrap_codec(get_codec(codec)) if attack else get_codec(codec)
         averagers.append(
             Averager(
@@ -61,6 +72,8 @@ def make_group(aggregator: str, kind: str, codec: str = "fp32", signed: bool = T
                 aggregator=parse_aggregator(aggregator),
                 attack=attack,
                 signer=RoundSigner(key) if signed else None,
+                verify=verify,
+                rng=random.Random(i),
             )  # fmt: skip
         )
     return averagers
@@ -114,8 +127,9 @@ async def deviation_per_round(
 
 
 # forge-records contributes honestly and lies in the DHT, outsider is refused before any round (both tested in
-# test_private_swarm and test_hostile_nodes).
-ROUND_KINDS = [k for k in KINDS if k not in ("forge-records", "outsider")]
+# test_private_swarm and test_hostile_nodes); bad-reducer is caught by checks, not bounded by the aggregator
+# (test_replicated_reduction).
+ROUND_KINDS = [k for k in KINDS if k not in ("forge-records", "outsider", "bad-reducer")]
 
 
 @pytest.mark.parametrize("kind", ROUND_KINDS)
@@ -125,7 +139,7 @@ async def test_the_robust_default_bounds_each_attack_and_keeps_honest_replicas_i
     assert max(deviations) <= BOUND, f"{kind} moved theta_g by {deviations} of the honest update (bound {BOUND})"
 
 
-@pytest.mark.parametrize("kind", [k for k in ROUND_KINDS if k not in ("nan", "equivocate")])
+@pytest.mark.parametrize("kind", [k for k in ROUND_KINDS if k not in ("nan", "equivocate")] + ["bad-reducer"])
 async def test_with_the_plain_mean_the_same_attack_moves_the_model(kind: str) -> None:
     deviations = await deviation_per_round(make_group("mean", kind), rounds=1)
     floor = 0.1 if kind == "alie" else BOUND  # alie is small by design: it hides among honest updates

@@ -18,14 +18,15 @@ from .swarm import Swarm
 from .test_swarm import digests_by_round
 
 
-def three_honest_and_one(swarm: Swarm, rounds: int, *hostile: str) -> list[str]:
-    """Start n0, n1, n2 and ``bad`` (with the ``hostile`` settings), each waiting for all four; returns the names."""
+def three_honest_and_one(swarm: Swarm, rounds: int, *hostile: str, common: tuple[str, ...] = ()) -> list[str]:
+    """Start n0, n1, n2 and ``bad`` (with the ``hostile`` settings), each waiting for all four and with the
+    ``common`` settings; returns the names."""
     names = ["n0", "n1", "n2", "bad"]
-    swarm.start("n0", rounds, extra=["node.min_peers=4"])
+    swarm.start("n0", rounds, extra=["node.min_peers=4", *common])
     first = swarm.join_line("n0")
     for name in names[1:]:
         bad = [*hostile, "attack.test_only=true"] if name == "bad" else []
-        swarm.start(name, rounds, join=first, extra=["node.min_peers=4", *bad])
+        swarm.start(name, rounds, join=first, extra=["node.min_peers=4", *common, *bad])
     return names
 
 
@@ -77,6 +78,30 @@ def test_an_equivocating_node_is_banned_and_the_honest_nodes_stay_identical(swar
         assert bad not in rounds[1]["group"] and bad not in rounds[2]["group"]
         log = (swarm.root / name / "node.log").read_text()
         assert f"banned peer {bad[-8:]} until round 11: signed 2 different reports" in log, log[-3000:]
+
+
+@pytest.mark.slow
+def test_a_bad_reducer_is_caught_by_every_node_that_checks_it_and_its_shard_is_never_applied(swarm: Swarm) -> None:
+    """Three honest nodes and one that, as a reducer, sends -10 times its shard's true average; every node sets
+    averaging.verify = 3, so in a group of 4 each checks a part of every other shard. In round 0 every honest node
+    finds the bad shard wrong, withholds it and bans the bad node: the group applies the other shards only, with
+    one digest among the honest, and rounds 1 and 2 run without it."""
+    names = three_honest_and_one(swarm, 3, "attack.kind=bad-reducer", common=("averaging.verify=3",))
+    swarm.wait(names[:3], timeout=240)
+    assert_one_digest_per_round(swarm, names[:3], 3)
+    bad = swarm.join_line("bad").rsplit("/", 1)[-1]
+    for name in names[:3]:
+        rounds = swarm.rounds(name)
+        assert [r["group_size"] for r in rounds] == [4, 3, 3], rounds
+        first = rounds[0]
+        bad_shard = first["group"].index(bad)
+        wrong = [c for c in first["checked"] if c["outcome"] == "wrong"]
+        assert [c["shard"] for c in wrong] == [bad_shard] and len(first["checked"]) == 3, first["checked"]
+        assert first["applied_fraction"] == 0.75, first
+        log = swarm.log(name)
+        assert f"banned peer {bad[-8:]} until round 11: reduced part 0 of shard {bad_shard} wrongly" in log, log[
+            -3000:
+        ]
 
 
 @pytest.mark.slow

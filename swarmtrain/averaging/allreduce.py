@@ -13,6 +13,9 @@ Phases, all bounded by the round's deadline:
    them all. A shard is applied only if every report in that merged view holds it with the same hash; otherwise
    every member applies the same fallback for it (a zero update: theta_g keeps its value there). A dead
    reducer's shard, or one whose reducer had no contribution to average, is thus dropped by all survivors.
+   With ``verify`` (``averaging.verify``), a member first checks random parts of other reducers' shards against
+   the signed contributions they averaged (``_verify``: replicated reduction) and withholds, in its report, a
+   shard that does not add up: every member then falls back on it alike.
 4. digest (after the outer step, driven by the averager): members exchange and relay a digest of their new
    state the same way; a member in the minority of that merged view marks itself diverged and resyncs.
 
@@ -24,20 +27,26 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
+import random
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgpack
 import torch
 
 from swarmtrain.averaging.exchange import MAX_ABS_VALUE, AllReduceResult, GroupExchange, Unsettled, wait_or_dead
 from swarmtrain.averaging.group import Group
 from swarmtrain.averaging.robust import Aggregator
-from swarmtrain.averaging.signing import RoundSigner
+from swarmtrain.averaging.signing import MAX_KEY_BYTES, MAX_SIG_BYTES, RoundSigner
 from swarmtrain.compression import Codec, CodecError, CodecState
-from swarmtrain.net import Rejected, Transport
+from swarmtrain.net import PeerUnreachable, Rejected, RemoteError, RpcTimeout, Transport
 
 log = logging.getLogger(__name__)
+
+
+def _digest(payload: bytes) -> bytes:
+    return hashlib.sha256(payload).digest()
 
 
 def tensor_hash(t: torch.Tensor) -> str:
@@ -77,6 +86,9 @@ class AllReduce(GroupExchange):
         aggregator: Aggregator | None = None,
         signer: RoundSigner | None = None,
         equivocate: bool = False,
+        verify: float = 0.0,
+        rng: random.Random | None = None,
+        alter: Callable[[torch.Tensor], None] | None = None,
     ) -> None:
         super().__init__(
             group, me, transport, header=header, deadline=deadline, on_part_sent=on_part_sent, tag=tag, signer=signer,
@@ -100,6 +112,14 @@ class AllReduce(GroupExchange):
         self.sent = alloc(f"{tag}sent", delta.numel()) if residual is not None else None
         self.encoded: list[tuple[int, int]] = []  # the ranges of ``sent`` written this round
         self.aggregator = aggregator or Aggregator()  # how a reducer combines a part's contributions (``robust``)
+        # Replicated reduction (``_verify``): with a signer, every part carries its sender's signature; a reducer
+        # keeps the signed parts it averaged (per member index and part) until its report is out, and a member
+        # checks ``verify`` parts of other reducers' shards a round on average, chosen by ``rng`` (private and
+        # unpredictable in a node: a reducer cannot know which of its parts will be checked).
+        self.verify = verify if signer is not None else 0.0
+        self.rng = rng or random.SystemRandom()
+        self.kept: dict[tuple[int, int], list[bytes]] = {}
+        self.alter = alter  # tests only (attack.kind = bad-reducer): changes my shard's average before I send it
 
     # ---- helpers ----------------------------------------------------------------------------------------
 
@@ -139,6 +159,30 @@ class AllReduce(GroupExchange):
         masks = b"".join(box.masks[p] for p in sorted(box.masks))
         return hashlib.sha256(tensor_hash(box.buffer).encode() + masks).hexdigest()[:24]
 
+    def _seal(self, shard: int, part: int, payload: bytes) -> bytes:
+        """A part as it is sent: with a signer, its sender's signature of (round, shard, part, payload hash) ahead
+        of the payload, so its reducer can show a member that checks it what it averaged (``_verify``), and cannot
+        show anything else in a member's name."""
+        if self.signer is None:
+            return payload
+        proof = self.signer.sign(self.route, "part", [shard, part, _digest(payload)])
+        sig, key = proof["sig"], proof["key"]
+        return len(sig).to_bytes(2, "little") + sig + len(key).to_bytes(2, "little") + key + payload
+
+    def _unseal(self, sender: str, part: Any, body: bytes) -> tuple[bytes, bytes, bytes]:
+        """(payload, signature, key) of a part sent to me; Rejected unless ``sender`` signed it for my shard."""
+        if self.signer is None:
+            return body, b"", b""
+        n = int.from_bytes(body[:2], "little")
+        m = int.from_bytes(body[2 + n : 4 + n], "little")
+        sig, key, payload = body[2 : 2 + n], body[4 + n : 4 + n + m], body[4 + n + m :]
+        if len(body) < 4 + n + m or n > MAX_SIG_BYTES or m > MAX_KEY_BYTES:
+            raise Rejected("bad part: its signature is malformed")
+        proof = {"sig": sig, "key": key}
+        if not self.signer.check(sender, self.route, "part", [self.index, part, _digest(payload)], proof):
+            raise Rejected("bad part: not signed by its sender")
+        return payload, sig, key
+
     def _store(self, box: _Inbox, header: dict[str, Any], body: bytes, codec: Codec, what: str) -> None:
         parts = self._parts(box.buffer.numel())
         part = header.get("part")
@@ -164,7 +208,10 @@ class AllReduce(GroupExchange):
         try:
             if header.get("shard") != self.index:
                 raise Rejected(f"part for shard {header.get('shard')!r} sent to the reducer of shard {self.index}")
-            self._store(box, header, body, self.codec_up, "part")
+            payload, sig, key = self._unseal(sender, part, body)
+            self._store(box, header, payload, self.codec_up, "part")
+            if self.verify > 0:
+                self.kept[self.group.index(sender), part] = [payload, sig, key]
         except Rejected as exc:
             # Left out of this round entirely: nobody waits for its parts, results or report any more.
             self.invalid.setdefault(sender, str(exc))
@@ -218,14 +265,14 @@ class AllReduce(GroupExchange):
         header = {**self.header, "shard": j, "codec": self.codec_up.name}
         if j == self.index:
             for p, (s, e) in enumerate(parts):
-                self._deliver_locally("parts", header, p, self._encode_up(start + s, start + e))
+                self._deliver_locally("parts", header, p, self._seal(j, p, self._encode_up(start + s, start + e)))
             return
 
         async def frames() -> AsyncIterator[bytes]:
             for p, (s, e) in enumerate(parts):
                 if p:
                     self._part_sent()  # the transport asks for frame p once frame p - 1 is written and drained
-                yield self._encode_up(start + s, start + e)
+                yield self._seal(j, p, self._encode_up(start + s, start + e))
             self._part_sent()
 
         await self._stream(self.group.members[j], "parts", header, frames(), len(parts), self.scatter_deadline)
@@ -291,6 +338,8 @@ class AllReduce(GroupExchange):
                 average = torch.zeros(e - s)
                 rows = [self.inbox[members[i]].buffer[s:e] for i in included]
                 self.aggregator.reduce(rows, [weights[i] for i in included], average)
+                if self.alter is not None:
+                    self.alter(average)  # tests only: a hostile reducer
                 ready[p] = self._mask(included) + self.codec_down.encode(average)
                 produced[p].set()
                 self._deliver_locally("results", header, p, ready[p])
@@ -312,6 +361,8 @@ class AllReduce(GroupExchange):
             self.closed = True
             transferred = loop.time()
             hashes = [self._result_hash(j) if r.complete.is_set() else None for j, r in enumerate(self.results)]
+            for j in await self._verify():
+                hashes[j] = None  # withheld: no member applies a shard one member could not confirm
             applied = await self._agree(hashes)
             for result, ok in zip(self.results, applied, strict=True):
                 if not ok:
@@ -324,6 +375,107 @@ class AllReduce(GroupExchange):
         finally:
             self.closed = True
             self.liveness.close()
+            self.kept.clear()  # every member checks before its report, and my report is in: no one asks any more
+
+    # ---- replicated reduction ------------------------------------------------------------------------------
+
+    def on_evidence(self, sender: str, header: dict[str, Any]) -> bytes:
+        """The signed contributions I averaged into one part of my shard, as its result mask names them (a msgpack
+        list of [member index, payload, signature, key]), for a member that checks it (``_verify``)."""
+        self._check_member(sender)
+        if self.verify <= 0:
+            raise Rejected("this member keeps no contributions to be checked (averaging.verify = 0)")
+        part, box = header.get("part"), self.results[self.index]
+        if header.get("shard") != self.index or not isinstance(part, int) or part not in box.masks:
+            raise Rejected(f"no part {part!r} of shard {header.get('shard')!r} reduced here")
+        mask = int.from_bytes(box.masks[part], "little")
+        rows = [[i, *self.kept[i, part]] for i in range(self.group.size) if mask >> i & 1 and (i, part) in self.kept]
+        return msgpack.packb(rows, use_bin_type=True)
+
+    async def _verify(self) -> list[int]:
+        """Replicated reduction of random parts, BTARD-style. I check ``verify`` parts a round on average (2.5: two,
+        and a third every second round), each of a different reducer's shard, picked at random among the other
+        reducers and then among the parts of its shard. For each, I fetch from its reducer the signed contributions
+        its result mask names, recompute the part with the group's aggregator and capped weights, and compare it
+        with the result I received: the reducer committed to that result before it could know it would be checked.
+        Returns the shards I withhold from my report, so that no member applies them: one whose reducer did not
+        show its contributions in time, and one whose contributions do not give its result (the reducer is then
+        banned, ``invalid``). In a group of g with h honest members, a reducer that alters all its parts is caught
+        in a round with probability 1 - (1 - verify / (g - 1)) ** h; one that alters a share a of them, about a
+        times that."""
+        if self.verify <= 0:
+            return []
+        shards = [j for j, box in enumerate(self.results) if j != self.index and box.complete.is_set() and box.masks]
+        count = int(self.verify) + (self.rng.random() < self.verify % 1)
+        picked = self.rng.sample(shards, min(count, len(shards)))
+        outcomes = await asyncio.gather(
+            *(self._check(j, self.rng.randrange(len(self.results[j].masks))) for j in picked)
+        )
+        return [j for j, ok in zip(picked, outcomes, strict=True) if not ok]
+
+    async def _check(self, j: int, p: int) -> bool:
+        """Check part ``p`` of shard ``j`` (``_verify``): whether I may apply the shard."""
+        reducer = self.group.members[j]
+        start, end = self._parts(self.results[j].buffer.numel())[p]
+        bound = self.group.size * (self.codec_up.payload_size(end - start) + MAX_SIG_BYTES + MAX_KEY_BYTES + 64) + 64
+        timeout = 0.5 * (self.transfer_deadline + self.report_deadline) - asyncio.get_running_loop().time()
+        try:
+            _, body = await self.transport.call(
+                reducer, "evidence", {**self.header, "shard": j, "part": p}, timeout=max(timeout, 0.01),
+                max_reply=bound,
+            )  # fmt: skip
+        except (PeerUnreachable, RpcTimeout, RemoteError) as exc:
+            log.info("could not check part %d of shard %d (%s): I withhold the shard", p, j, exc)
+            self.checked.append((j, p, "unanswered"))
+            return False
+        problem = self._check_evidence(j, p, body)
+        self.checked.append((j, p, "ok" if problem is None else "wrong"))
+        if problem is None:
+            return True
+        self.invalid.setdefault(reducer, f"reduced part {p} of shard {j} wrongly: {problem}")
+        log.warning("reducer %s reduced part %d of shard %d wrongly: %s; I withhold it", reducer[-8:], p, j, problem)
+        return False
+
+    def _check_evidence(self, j: int, p: int, body: bytes) -> str | None:
+        """Why the contributions a reducer showed do not give the result of part ``p`` of shard ``j``, or None."""
+        assert self.signer is not None
+        try:
+            rows = msgpack.unpackb(body, raw=False)
+        except (ValueError, msgpack.UnpackException, TypeError):
+            return "its evidence is not msgpack"
+        mask = int.from_bytes(self.results[j].masks[p], "little")
+        included = [i for i in range(self.group.size) if mask >> i & 1]
+        payloads: dict[int, bytes] = {}
+        for row in rows if isinstance(rows, list) else [None]:
+            if not (isinstance(row, list) and len(row) == 4 and isinstance(row[0], int) and row[0] in included):
+                return "its evidence names members its result does not include"
+            i, payload, sig, key = row
+            if not isinstance(payload, bytes) or i in payloads:
+                return "its evidence repeats a member or holds no payload"
+            if not self.signer.check(self.group.members[i], self.route, "part", [j, p, _digest(payload)],
+                                     {"sig": sig, "key": key}):  # fmt: skip
+                return f"its evidence holds a contribution {self.group.members[i][-8:]} did not sign"
+            payloads[i] = payload
+        if sorted(payloads) != included:
+            return f"it showed {len(payloads)} of the {len(included)} contributions its result includes"
+        start, end = self._parts(self.results[j].buffer.numel())[p]
+        try:
+            rows = [self._decode(self.codec_up, payloads[i], end - start, "evidence") for i in included]
+        except Rejected as exc:
+            return f"it averaged a payload it should have refused ({exc})"
+        weights = self.aggregator.cap_weights(self.group.weights)
+        expected = torch.zeros(end - start)
+        self.aggregator.reduce(rows, [weights[i] for i in included], expected)
+        sent = self.codec_down.decode(self.codec_down.encode(expected), end - start)
+        # Another machine may round the same sums differently: allow twice the codec's own error, and 1e-5 of the
+        # part's largest value (an fp32 result then matches to its last few bits).
+        tolerance = 2 * float((sent - expected).abs().max()) + 1e-5 * float(expected.abs().max()) + 1e-30
+        off = float((self.results[j].buffer[start:end] - sent).abs().max())
+        if not off <= tolerance:
+            return (
+                f"its result is {off:.3g} from the average of the contributions it names (tolerance {tolerance:.3g})"
+            )
+        return None
 
     def _encoded(self) -> torch.Tensor:
         encoded = torch.zeros(self.delta.numel(), dtype=torch.bool)

@@ -22,6 +22,10 @@ training literature:
   every other peer it sees, saying that peer left and is ``FORGED_AHEAD`` rounds ahead
   (``swarmtrain.node.node._forge_records``). Unbound to identities, that made peers drop live members from their
   groups and catch up towards a round nobody holds; readers now refuse a record not signed by its peer's key.
+- ``bad-reducer``: an honest update, but as a reducer it sends the group ``-scale`` times its shard's true average
+  (well formed, the same bytes to every member, so the members' result hashes agree). Members that check a random
+  part of another reducer's shard (``averaging.verify``, ``AllReduce._verify``) recompute it from the signed
+  contributions and withhold the shard, so no member applies it, and ban the reducer.
 - ``outsider``: a node without a private swarm's key (none, or another) that does not stop when the swarm refuses
   it (``verify_swarm``): it reads the members' records, asks them for their settings, joins their groups, tries to
   catch up from them and publishes its own record. It gets nothing: every call is refused (``swarm-key``) and
@@ -39,7 +43,10 @@ from swarmtrain.averaging.matchmaking import MAX_WEIGHT
 from swarmtrain.compression import BaseCodec, CodecState
 from swarmtrain.compression.wire import pack_header
 
-KINDS = ("scale", "sign-flip", "nan", "random", "big-weight", "alie", "equivocate", "forge-records", "outsider")
+KINDS = (
+    "scale", "sign-flip", "nan", "random", "big-weight", "alie", "equivocate", "forge-records", "outsider",
+    "bad-reducer",
+)  # fmt: skip
 BIG_WEIGHT = 1e6
 FORGED_AHEAD = 10
 
@@ -63,9 +70,9 @@ class Attack:
             return delta * self.scale, weight
         if self.kind == "sign-flip":
             return delta * -self.scale, weight
-        if self.kind in ("nan", "equivocate", "forge-records", "outsider"):
+        if self.kind in ("nan", "equivocate", "forge-records", "outsider", "bad-reducer"):
             # The payloads carry the NaNs (``wrap_codec``); the exchange equivocates; the node forges records or
-            # calls without the swarm's key.
+            # calls without the swarm's key; the reducer alters its shard (``alter``).
             return delta, weight
         if self.kind == "random":
             noise = torch.randn(delta.shape, generator=self._noise)
@@ -74,6 +81,10 @@ class Attack:
             return -delta, min(weight * BIG_WEIGHT, MAX_WEIGHT)
         rms = float(delta.square().mean().sqrt())
         return delta - self.z * rms * torch.sign(delta), weight
+
+    def alter(self, average: torch.Tensor) -> None:
+        """bad-reducer: what I send the group for a part of my shard, in place of its true ``average``."""
+        average.mul_(-self.scale)
 
     def wrap_codec(self, codec: BaseCodec) -> BaseCodec:
         """The uplink codec a node with this attack sends with: ``nan`` writes NaN payloads, the others encode."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import random
 import signal
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
@@ -27,7 +28,7 @@ from swarmtrain.averaging.matchmaking import Matchmaker
 from swarmtrain.averaging.outer import OuterOptimizer
 from swarmtrain.averaging.robust import Aggregator
 from swarmtrain.averaging.round import Event, Lifecycle, Round, Stale, Step, Verdict, alone_applies, decide
-from swarmtrain.averaging.signing import RoundSigner
+from swarmtrain.averaging.signing import MAX_KEY_BYTES, MAX_SIG_BYTES, RoundSigner
 from swarmtrain.averaging.statesync import CHUNK_BYTES, SnapshotStore, download_state
 from swarmtrain.compression import BaseCodec, CodecState, all_finite, get_codec
 from swarmtrain.net import Handler, Rejected, RpcError, StreamHandler, Transport
@@ -37,8 +38,9 @@ log = logging.getLogger(__name__)
 # 2: sparse/low-rank all-gathered; 3: state in chunks; 4: relays, records signed by identity; 5: shards rotate
 # per round, a group runs one budget, bans; 6: result parts name the members they include, "ledger"; 7: reports
 # and digests signed with identity keys, relayed values that differ proven on request ("proofs"); 8: peer records
-# carry loss, bpb, tokens and bytes sent (``swarmtrain dashboard --join``).
-PROTOCOL_VERSION = 8
+# carry loss, bpb, tokens and bytes sent (``swarmtrain dashboard --join``); 9: parts signed by their senders,
+# reducers show what they averaged to members that check them ("evidence").
+PROTOCOL_VERSION = 9
 _ROUTE_WAIT = 5.0  # a member may hear of its group a moment after a peer that already sends
 _SMALL = 1 << 16
 _LEDGERS = 8  # decisions of the last rounds this member confirmed, served to members that could not
@@ -67,6 +69,7 @@ class RoundOutcome:
     decisions: tuple[bool, ...] = ()  # per member's slot (shard or payload): applied (True) or fell back
     mixed: bool = False  # a gossip round: whether theta_g and the momentum were mixed (the agreed decision)
     alone: bool = False  # decided without anyone else's report (cut off): the decisions are its own, not agreed
+    checked: tuple[tuple[int, int, str], ...] = ()  # the parts of other reducers' shards I checked (``verify``)
 
 
 class Averager:
@@ -92,14 +95,20 @@ class Averager:
         attack: Callable[[torch.Tensor, float], tuple[torch.Tensor, float]] | None = None,
         ban_rounds: int = 0,
         signer: RoundSigner | None = None,
+        verify: float = 0.0,
+        rng: random.Random | None = None,
     ) -> None:
         self.transport = transport
         self.aggregator = aggregator or Aggregator()  # combines the round's updates (``robust``); state mixes: mean
         self.attack = attack  # tests only (``attack.kind``): turns my honest update into a hostile one
         self.equivocate = getattr(attack, "kind", "") == "equivocate"  # tests only: tells members different things
+        self.alter = getattr(attack, "alter", None) if getattr(attack, "kind", "") == "bad-reducer" else None
         # Signs my reports and digests and checks the others' (``signing``): a node always signs, with its identity
         # key; the in-process simulator and most unit tests run unsigned (peer ids there are not keys).
         self.signer = signer
+        # How many parts of other reducers' shards I check a round, on average (``AllReduce._verify``; signed
+        # groups only), and where I draw which: private, so no reducer can tell which part will be checked.
+        self.verify, self.rng = verify, rng or random.SystemRandom()
         self.me = transport.peer_id
         self.run_id = run_id
         self.header = {"run": run_id, "v": PROTOCOL_VERSION}
@@ -134,7 +143,7 @@ class Averager:
         fp32 = get_codec("fp32")  # gossip rounds mix theta_g losslessly
         largest = [c.payload_size(part_numel) for c in (codec_up, codec_down, fp32)]
         largest += [seg.codec.payload_size(seg.numel) for seg in self.segments]
-        self.max_body = max(largest) + 1024
+        self.max_body = max(largest) + 1024 + MAX_SIG_BYTES + MAX_KEY_BYTES  # a part carries its signature
         # Parts of the largest shard (mixing doubles it), or the segments of an all-gathered payload.
         self.max_frames = max(-(-theta.numel() * 2 // part_numel), len(self.segments)) + 1
         self.snapshots = SnapshotStore()  # the states this node serves to joiners (statesync)
@@ -162,6 +171,7 @@ class Averager:
         await self.transport.serve("report", self._routed(lambda ar, s, h: ar.on_report(s, h)), max_body=_SMALL)
         await self.transport.serve("digest", self._routed(lambda ar, s, h: ar.on_digest(s, h)), max_body=_SMALL)
         await self.transport.serve("proofs", self._on_proofs, max_body=_SMALL)
+        await self.transport.serve("evidence", self._on_evidence, max_body=_SMALL)
         await self.transport.serve("join", self._on_join, max_body=_SMALL)
         await self.transport.serve("ping", self._on_ping, max_body=_SMALL)
         await self.transport.serve("ledger", self._on_ledger, max_body=_SMALL)
@@ -220,6 +230,10 @@ class Averager:
         """A group member asks for the signed reports or digests I relayed to it (``exchange._merge``); served
         while the round's route is kept, after my own round is over too."""
         return {}, (await self._allreduce_for(header, sender)).on_proofs(sender, header)
+
+    async def _on_evidence(self, sender: str, header: dict[str, Any], body: bytes) -> tuple[dict[str, Any], bytes]:
+        """A group member checks a part of the shard I reduced (``AllReduce._verify``)."""
+        return {}, (await self._allreduce_for(header, sender)).on_evidence(sender, header)
 
     def _routed_stream(self, method: str) -> StreamHandler:
         async def handler(
@@ -327,7 +341,7 @@ class Averager:
         return RoundOutcome(
             r.number, group, outcome, digest, sum(result.applied) / group.size, result.excluded,
             _now() - r.started, spread, phases, decisions=tuple(result.applied),
-            mixed=mixes, alone=verdict.alone,
+            mixed=mixes, alone=verdict.alone, checked=tuple(update.checked),
         )  # fmt: skip
 
     def _contribution(self, delta: torch.Tensor, weight: float, round_: int) -> tuple[torch.Tensor, float]:
@@ -567,7 +581,8 @@ class Averager:
                 codec_down=codec or self.codec_down, part_numel=self.part_numel, deadline=deadline,
                 on_part_sent=fault, tag=tag, scratch=self._scratch, residual=residual,
                 aggregator=self.aggregator if codec is None else None,  # theta_g mixes by the plain mean
-                signer=self.signer, equivocate=self.equivocate,
+                signer=self.signer, equivocate=self.equivocate, verify=self.verify, rng=self.rng,
+                alter=self.alter if codec is None else None,
             )  # fmt: skip
         route = self._route(allreduce.route)
         if not route.done():

@@ -171,6 +171,7 @@ class GroupExchange(ABC):
         self.equivocate = equivocate  # tests only (attack.kind = equivocate): tell half the group other values
         self.values = {kind: Values.of(group.members) for kind in ("report", "digest")}
         self.equivocators: dict[str, str] = {}
+        self.checked: list[tuple[int, int, str]] = []  # replicated reduction: (shard, part, ok | wrong | unanswered)
         self.view: dict[str, list[str | None]] = {}  # the merged reports the decision is made from
         self.applied = [False] * group.size  # the decision, per slot, once ``_agree`` made it
         self.on_part_sent = on_part_sent
@@ -210,6 +211,9 @@ class GroupExchange(ABC):
 
     async def on_results(self, sender: str, header: dict[str, Any], frames: AsyncIterator[bytes]) -> None:
         raise Rejected("this round takes no results")
+
+    def on_evidence(self, sender: str, header: dict[str, Any]) -> bytes:
+        raise Rejected("this round has no reducers to check")
 
     def ledger(self) -> dict[str, Any]:
         """The round's decision as this member applied it: served to members that could not confirm the round,

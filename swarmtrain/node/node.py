@@ -205,8 +205,8 @@ class Node:
                 part_numel=avg.part_numel, min_deadline=avg.min_deadline_s, deadline_factor=avg.deadline_factor,
                 fail_at=avg.fail_at, test_skew_at=avg.test_skew_at, error_feedback=avg.error_feedback,
                 shapes=trainer.shapes,
-                aggregator=parse_aggregator(avg.aggregator, private=bool(node.swarm_key or node.allow_peers)),
-                attack=attack, ban_rounds=avg.ban_rounds, signer=RoundSigner(private_key),
+                aggregator=parse_aggregator(avg.aggregator, private=node.private), attack=attack,
+                ban_rounds=avg.ban_rounds, signer=RoundSigner(private_key), verify=avg.verify,
             )  # fmt: skip
             self._trainer, self._averager = trainer, averager
             if checkpoint is not None:
@@ -642,6 +642,8 @@ class Node:
         }
         if self.status.bans:
             record["bans"] = dict(self.status.bans)
+        if outcome.checked:  # averaging.verify: the parts of other reducers' shards this node checked
+            record["checked"] = [{"shard": j, "part": p, "outcome": how} for j, p, how in outcome.checked]
         if bpb is not None:
             record["bpb"] = bpb
         if outcome.spread is not None:

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from swarmtrain.averaging import PROTOCOL_VERSION
+from swarmtrain.averaging.robust import parse_aggregator
 from swarmtrain.config import Config
 from swarmtrain.errors import SwarmtrainError
 from swarmtrain.net import RpcError, Transport
@@ -84,6 +85,9 @@ def swarm_settings(config: Config, trains: bool = True) -> dict[str, Any]:
         "averaging.codec": avg.codec, "averaging.codec_down": avg.codec_down or avg.codec,
         "averaging.group_size": avg.group_size, "averaging.outer_lr": avg.outer_lr,
         "averaging.outer_momentum": avg.outer_momentum, "averaging.part_numel": avg.part_numel,
+        # A member that checks a reducer recomputes the reducer's part with its own aggregator.
+        "averaging.aggregator": parse_aggregator(avg.aggregator, private=config.node.private).spec,
+        "averaging.verify": avg.verify,
     })  # fmt: skip
     return settings
 

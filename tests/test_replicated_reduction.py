@@ -1,0 +1,177 @@
+"""Replicated reduction (``averaging.verify``, ``AllReduce._verify``): a member checks one random part of another
+reducer's shard against the signed contributions the reducer averaged, and withholds a shard that does not add
+up, so that no member applies it. In process (memory transport), members signing with identity keys as nodes do;
+FedAvg outer step (lr 1, no momentum), so theta_g moves by exactly the update the group applied.
+
+The bound checked with ``attack.kind = bad-reducer`` (a reducer that sends -10 times its shard's true average):
+a bad reducer's shard reaches the model only in a round in which no honest member checked it; every honest
+member that checked it found it wrong; and honest reducers' shards are never withheld by a check.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from swarmtrain.averaging import Group, leader_candidates
+from swarmtrain.averaging.allreduce import AllReduce
+from swarmtrain.averaging.signing import RoundSigner
+from swarmtrain.compression import get_codec
+from swarmtrain.net import MemoryNetwork, Rejected
+from tests.test_byzantine import BOUND, NUMEL, identities, make_group, play_round
+
+
+def shards_of(outcome, numel: int = NUMEL) -> list[torch.Tensor]:
+    return [torch.arange(s, e) for s, e in outcome.group.shard_bounds(numel)]
+
+
+async def test_a_member_that_checks_every_round_never_applies_a_bad_reducers_shard_and_bans_it() -> None:
+    """Two members, one a bad reducer: with verify = 1 the honest member checks the other shard every round. It
+    finds it wrong, withholds it (both members fall back on it and apply the honest shard, identically) and bans
+    the reducer; the round after, it trains alone."""
+    averagers = make_group("mean", "bad-reducer", verify=1.0, members=2, hostile=1)
+    honest, bad = averagers
+    for a in averagers:
+        a.matchmaker.bans.rounds = 3
+        await a.start()
+    deltas = [torch.randn(NUMEL, generator=torch.Generator().manual_seed(i)) for i in range(2)]
+    before = honest.outer.theta.clone()
+    outcomes = await play_round(averagers, deltas, [1.0, 1.0])
+    assert outcomes[0].digest == outcomes[1].digest, outcomes
+    assert outcomes[0].decisions == (True, False), outcomes[0]  # slot 1 is the bad member's shard
+    assert [c[2] for c in outcomes[0].checked] == ["wrong"], outcomes[0].checked
+    applied = before - honest.outer.theta
+    good, withheld = shards_of(outcomes[0])
+    assert torch.equal(applied[withheld], torch.zeros(len(withheld)))
+    assert torch.allclose(applied[good], (deltas[0][good] + deltas[1][good]) / 2, atol=1e-6)
+    assert "wrongly" in (honest.matchmaker.bans.reason(bad.me, 1) or ""), honest.matchmaker.bans.bans
+    peers = [a.me for a in averagers]
+    alone = await honest.run_round(
+        deltas[0], 1.0, leader_candidates(peers, honest.me, 16, "test", honest.round), set(peers), gather_timeout=1.0
+    )
+    assert alone.group.size == 1, alone
+
+
+@pytest.mark.parametrize("verify", [1.0, 7.0])
+async def test_in_a_group_of_eight_a_bad_reducers_shard_is_applied_only_where_no_honest_member_checked_it(
+    verify: float,
+) -> None:
+    """Eight members, two bad reducers. With verify = 1 each member checks one part of one other shard per round (a
+    bad shard is checked by at least one of the six honest members with probability 1 - (6/7) ** 6 = 0.60); with
+    verify = 7 every member checks every other shard, and both bad shards are caught every round. Per round: honest
+    replicas identical; a bad shard applied only if no honest member checked it; every honest check of a bad shard
+    says wrong, of an honest one ok; honest shards all applied, within BOUND of the honest mean (plus what fell back
+    the round before: error feedback sends it again)."""
+    averagers = make_group("centered-clip", "bad-reducer", verify=verify)
+    for a in averagers:
+        await a.start()
+    honest = averagers[:6]
+    generator = torch.Generator().manual_seed(3)
+    caught = 0
+    carried = torch.zeros(NUMEL)  # error feedback: what fell back last round is sent again with this one
+    for round_ in range(4):
+        signal = torch.randn(NUMEL, generator=generator)
+        deltas = [signal + 0.3 * torch.randn(NUMEL, generator=generator) for _ in averagers]
+        before = honest[0].outer.theta.clone()
+        outcomes = await play_round(averagers, deltas, [100.0] * len(averagers))
+        mine = outcomes[: len(honest)]
+        assert len({o.digest for o in mine}) == 1, mine
+        group = mine[0].group
+        bad = {group.index(a.me) for a in averagers[6:]}
+        checks = [check for o in mine for check in o.checked]
+        assert all(c[2] == ("wrong" if c[0] in bad else "ok") for c in checks), checks
+        checked = {c[0] for c in checks}
+        for j, applied in enumerate(mine[0].decisions):  # (a bad member may withhold the other bad shard too)
+            assert not (j in bad and j in checked and applied) and (j in bad or applied), (j, checks, mine[0])
+        caught += len(bad & checked)
+        assert verify < 7 or (checked == set(range(8)) and caught == 2 * (round_ + 1)), checks
+        shards = shards_of(mine[0])
+        kept = torch.cat([shards[j] for j in range(group.size) if j not in bad])
+        expected = sum(deltas[:6]) / 6 + carried
+        moved = (before - honest[0].outer.theta)[kept]
+        assert float((moved - expected[kept]).norm() / expected[kept].norm()) <= BOUND
+        carried = expected.clone()
+        for j, applied in enumerate(mine[0].decisions):
+            if applied:
+                carried[shards[j]] = 0.0
+    assert caught > 0  # 8 chances at 0.60 each: all missed has probability 0.4 ** 8 < 1e-3 (and the seeds are fixed)
+
+
+async def test_checks_of_honest_reducers_pass_with_lossy_codecs_and_robust_aggregators() -> None:
+    """No false alarm: an honest group of eight with verify = 1 checks eight parts per round, with a lossy codec
+    and the robust default; every check passes and every shard applies."""
+    for codec, aggregator in (("int8", "centered-clip"), ("fp16", "trimmed-mean"), ("2bit", "median")):
+        averagers = make_group(aggregator, "scale", codec=codec, verify=1.0, hostile=0)
+        for a in averagers:
+            await a.start()
+        deltas = [torch.randn(NUMEL, generator=torch.Generator().manual_seed(i)) for i in range(len(averagers))]
+        outcomes = await play_round(averagers, deltas, [100.0 + i for i in range(len(averagers))])
+        assert len({o.digest for o in outcomes}) == 1
+        checks = [c for o in outcomes for c in o.checked]
+        assert len(checks) == len(averagers) and {c[2] for c in checks} == {"ok"}, (codec, checks)
+        assert all(all(o.decisions) for o in outcomes), (codec, [o.decisions for o in outcomes])
+
+
+def test_the_codec_down_tolerance_is_not_a_loophole() -> None:
+    """What a check allows: twice the downlink codec's own error on the recomputed part, and 1e-5 of its largest
+    value. A result that is -10 times the average is far outside it for every dense codec."""
+    x = torch.randn(4096, generator=torch.Generator().manual_seed(0))
+    for name in ("fp32", "fp16", "bf16", "int8", "int4", "2bit"):
+        codec = get_codec(name)
+        sent = codec.decode(codec.encode(x), x.numel())
+        tolerance = 2 * float((sent - x).abs().max()) + 1e-5 * float(x.abs().max())
+        forged = codec.decode(codec.encode(-10 * x), x.numel())
+        assert float((forged - sent).abs().max()) > tolerance, name
+
+
+def two_exchanges() -> tuple[AllReduce, AllReduce]:
+    """The exchanges of a signed group of two (a, b), with verify on: a reduces shard ``a.index``."""
+    (a, key_a), (b, key_b) = identities()[:2]
+    net, group, fp32 = MemoryNetwork(), Group(0, (a, b), (1.0, 1.0)), get_codec("fp32")
+    deadline = asyncio.get_running_loop().time() + 10.0
+    return tuple(
+        AllReduce(
+            group, peer, torch.zeros(NUMEL), net.transport(peer), header={"run": "test"}, codec_up=fp32,
+            codec_down=fp32, part_numel=NUMEL, deadline=deadline, signer=RoundSigner(key), verify=1.0,
+        )
+        for peer, key in ((a, key_a), (b, key_b))
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("how", ["signed by another member", "unsigned", "signature cut short"])
+async def test_a_reducer_refuses_a_part_its_sender_did_not_sign_and_leaves_the_sender_out(how: str) -> None:
+    """A part must carry its sender's signature of this round, shard, part and payload: otherwise a reducer could
+    not show a checker what that member sent, and could show anything in its name."""
+    a, b = two_exchanges()
+    start, end = a.bounds[a.index]
+    payload = get_codec("fp32").encode(torch.ones(end - start))
+    header = {"shard": a.index, "part": 0, "codec": "fp32"}
+    sealed = {"signed by another member": a._seal(a.index, 0, payload), "unsigned": payload}
+    body = sealed.get(how, b._seal(a.index, 0, payload)[:100])
+    with pytest.raises(Rejected, match="bad part"):
+        a.on_part(b.me, header, body)
+    assert b.me in a.bad_senders and not a.kept
+
+
+async def test_a_reducer_keeps_what_it_averaged_for_checkers_and_a_tampered_copy_is_caught() -> None:
+    """The evidence a reducer serves is the signed parts its result mask names; a payload changed after its
+    sender signed it no longer matches the signature, and the checker says whose."""
+    a, b = two_exchanges()
+    start, end = a.bounds[a.index]
+    payload = get_codec("fp32").encode(torch.ones(end - start))
+    a.on_part(b.me, {"shard": a.index, "part": 0, "codec": "fp32"}, b._seal(a.index, 0, payload))
+    assert a.kept[b.index, 0][0] == payload
+    mask = (1 << b.index).to_bytes(1, "little")
+    a.results[a.index].masks[0] = mask  # as if a had reduced part 0 from b's contribution alone
+    b.results[a.index].masks[0] = mask
+    b.results[a.index].buffer[:] = torch.ones(end - start)  # the result b received
+    evidence = a.on_evidence(b.me, {"shard": a.index, "part": 0})
+    assert b._check_evidence(a.index, 0, evidence) is None
+    a.kept[b.index, 0][0] = get_codec("fp32").encode(torch.full((end - start,), 2.0))
+    problem = b._check_evidence(a.index, 0, a.on_evidence(b.me, {"shard": a.index, "part": 0}))
+    assert problem == f"its evidence holds a contribution {b.me[-8:]} did not sign"
+    del a.kept[b.index, 0]
+    problem = b._check_evidence(a.index, 0, a.on_evidence(b.me, {"shard": a.index, "part": 0}))
+    assert problem == "it showed 0 of the 1 contributions its result includes"
