@@ -3,12 +3,14 @@
     PYTHONPATH=. python benchmarks/bench_byzantine.py               # the README table's robust rows (~9 min, 2 cores)
     PYTHONPATH=. python benchmarks/bench_byzantine.py --with-mean   # and each attack against the plain mean (~13 min)
     PYTHONPATH=. python benchmarks/bench_byzantine.py --rounds 4 --kinds scale --hostile 2
+    PYTHONPATH=. python benchmarks/bench_byzantine.py --kinds bad-reducer --verify 3   # replicated reduction
 
 In process, over the in-memory transport (``MemoryNetwork``): eight real ``Averager``s and eight real trainers
 (``swarmtrain.node.inner``, the standard trainer) of one small model on the default corpus, trained in turn on
 this machine; a round is H inner steps per member, then one group round of all eight (DiLoCo outer step: Nesterov,
 lr 0.7, momentum 0.9, fp16 updates) with a node's default bans (``averaging.ban_rounds``), reports and digests
-signed with identity keys as a node's are. Hostile members train
+signed with identity keys as a node's are, and each member checking ``--verify`` parts of other reducers'
+shards a round (``averaging.verify``; it changes nothing where every reducer is honest). Hostile members train
 like the others and replace their contribution with ``attack.kind`` (``swarmtrain/averaging/attack.py``); a
 banned one trains and waits alone until its ban ends. Real node processes run the same code path (``attack.kind``
 in a node's config); this benchmark stays in process so that one run of all of it fits in minutes on 2 cores.
@@ -24,6 +26,7 @@ import argparse
 import asyncio
 import logging
 import math
+import random
 import time
 
 import torch
@@ -62,7 +65,7 @@ def identities() -> list[tuple[str, RSAPrivateKey]]:
 
 
 async def one_run(
-    config, corpus, keys, aggregator: str, kind: str | None, hostile: int, rounds: int, steps: int
+    config, corpus, keys, aggregator: str, kind: str | None, hostile: int, rounds: int, steps: int, verify: float
 ) -> dict:  # fmt: skip
     net = MemoryNetwork()
     trainers = [build_inner_loop(config, corpus, data_seed=i) for i in range(MEMBERS)]
@@ -88,6 +91,8 @@ async def one_run(
                 attack=attack,
                 ban_rounds=config.averaging.ban_rounds,
                 signer=RoundSigner(key),
+                verify=verify,
+                rng=random.Random(i),
             )  # fmt: skip
         )
     for a in averagers:
@@ -127,6 +132,9 @@ def main() -> None:
     parser.add_argument(
         "--with-mean", action="store_true", help="also run each attack against the plain mean (first hostile count)"
     )
+    parser.add_argument(
+        "--verify", type=float, default=1.0, help="averaging.verify of every member (bad-reducer is caught by it)"
+    )
     parser.add_argument("--threads", type=int, default=1, help="torch threads (1 was fastest on 2 busy cores)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.ERROR)  # the refused payloads of the hostile members are expected here
@@ -139,13 +147,16 @@ def main() -> None:
         runs += [(args.robust, kind, hostile) for kind in args.kinds]
         if args.with_mean and hostile == args.hostile[0]:
             runs += [("mean", kind, hostile) for kind in args.kinds]
-    print(f"{MEMBERS} members, {args.rounds} rounds x H={args.steps}, model depth 2 width 64, fp16 updates")
+    print(
+        f"{MEMBERS} members, {args.rounds} rounds x H={args.steps}, model depth 2 width 64, fp16 updates, "
+        f"verify {args.verify:g}"
+    )
     print("| aggregator | attack | hostile | final bpb | vs clean mean | finite | identical | verdict | s |")
     print("|---|---|---|---|---|---|---|---|---|")
     clean = None
     for aggregator, kind, hostile in runs:
         started = time.perf_counter()
-        r = asyncio.run(one_run(config, corpus, keys, aggregator, kind, hostile, args.rounds, args.steps))
+        r = asyncio.run(one_run(config, corpus, keys, aggregator, kind, hostile, args.rounds, args.steps, args.verify))
         clean = clean if clean is not None else r["bpb"]
         gap = r["bpb"] / clean - 1
         ok = r["finite"] and r["identical"] and gap <= 0.05
