@@ -246,6 +246,10 @@ class AveragingConfig(_Section):
     cap: token weights at that multiple of the median). auto: mean in a private swarm (node.swarm_key or
     node.allow_peers set),
     centered-clip in a public one."""
+    weighting: Literal["tokens", "equal"] = "tokens"
+    """How a node's update is weighted in its group's average: by the tokens it trained this round (tokens), or
+    the same for every node that trained (equal: a node with a bigger batch or a faster machine counts no more).
+    Every node of a swarm needs the same value."""
     verify: float = Field(0.0, ge=0.0, le=256.0)
     """Parts of other reducers' shards a node checks each round, on average (0.5: one every second round; 2: two,
     of two reducers), picked at random (replicated reduction): it fetches the contributions the reducer averaged,

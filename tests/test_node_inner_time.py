@@ -1,16 +1,20 @@
-"""Rounds by time (node.inner_time_s): real node processes of unlike speed share every round, weighted by tokens."""
+"""Rounds by time (node.inner_time_s): real node processes of unlike speed share every round, weighted by tokens
+(or alike, with averaging.weighting = equal)."""
 
 from __future__ import annotations
+
+import pytest
 
 from .swarm import Swarm
 
 
-def test_nodes_of_unlike_speed_share_rounds_by_time_and_weigh_by_tokens(swarm: Swarm) -> None:
+@pytest.mark.parametrize("weighting", ["tokens", pytest.param("equal", marks=pytest.mark.slow)])
+def test_nodes_of_unlike_speed_share_rounds_by_time_and_weigh_by_tokens(swarm: Swarm, weighting: str) -> None:
     names = ["fast0", "fast1", "slow"]
     rounds = 3
     # The same 2 s budget on every node; "slow" sleeps 0.25 s after each step (a test-only setting), so it
     # manages far fewer steps in its budget than the others.
-    settings = ["node.min_peers=3", "node.inner_time_s=2", "train.device=cpu"]
+    settings = ["node.min_peers=3", "node.inner_time_s=2", "train.device=cpu", f"averaging.weighting={weighting}"]
     swarm.start(names[0], rounds, extra=settings)
     first = swarm.join_line(names[0])
     swarm.start(names[1], rounds, join=first, extra=settings)
@@ -28,9 +32,10 @@ def test_nodes_of_unlike_speed_share_rounds_by_time_and_weigh_by_tokens(swarm: S
         assert all(r["group_size"] == 3 and r["outcome"] == "applied" for r in rows.values()), (round_, rows)
         weights = dict(zip(rows["fast0"]["group"], rows["fast0"]["weights"], strict=True))
         for name, r in rows.items():
-            # Each node's weight in the average is the tokens it trained this round, and its share says so.
-            assert weights[r["peer_id"]] == r["tokens"] > 0, (round_, name, weights, r["tokens"])
-            assert abs(r["token_share"] - r["tokens"] / sum(weights.values())) < 1e-5, (round_, name, r)
+            # Each node's weight in the average is the tokens it trained this round (or 1 for every node that
+            # trained), and its share says so.
+            assert weights[r["peer_id"]] == (r["tokens"] if weighting == "tokens" else 1.0) and r["tokens"] > 0
+            assert abs(r["token_share"] - weights[r["peer_id"]] / sum(weights.values())) < 1e-5, (round_, name, r)
             assert r["device"] == "cpu" and r["tokens_per_s"] > 0, (round_, name, r)
         slow, fast = rows["slow"]["tokens"], min(rows["fast0"]["tokens"], rows["fast1"]["tokens"])
         # At most 2 s / 0.25 s + 1 = 9 steps for the slow node; the others step without sleeping.

@@ -450,7 +450,7 @@ class Node:
         trainer.load_vector(averager.outer.theta)
 
     async def _train(self, trainer: InnerLoop, averager: Averager, membership: Membership, transport: Any) -> None:
-        config, node = self.config, self.config.node
+        config, node, avg = self.config, self.config.node, self.config.averaging
         started = time.perf_counter()
         self._logged_at = 0.0  # seconds after ``started`` of the last round line (``_log_round``)
         last_inner = 0.0
@@ -502,7 +502,8 @@ class Node:
             averager.matchmaker.join_timeout = max(30.0, 3 * last_inner)  # a slow leader, not a dead one
             try:
                 await averager.reconcile()  # after a round I could not confirm: my residual to the group's decision
-                outcome = await averager.run_round(delta, float(tokens), candidates, set(candidates), gather)
+                weight = float(tokens) if avg.weighting == "tokens" else float(tokens > 0)
+                outcome = await averager.run_round(delta, weight, candidates, set(candidates), gather)
             except (SwarmtrainError, OSError) as exc:  # a round that broke must not take the node down
                 log.error("round %d failed (%r); catching up from the swarm before the next one", averager.round, exc)
                 self.status.set(NodeState.LEFT_OUT, f"round {averager.round} failed ({exc}); catching up")

@@ -162,7 +162,8 @@ class NodeStatus:
 
 
 def _contributed(rounds: list[dict[str, Any]]) -> dict[str, float]:
-    """Tokens each peer contributed to the rounds this node took part in (the groups' weights)."""
+    """What each peer contributed to the rounds this node took part in: the groups' weights (tokens; with
+    averaging.weighting = equal, one per round)."""
     totals: dict[str, float] = {}
     for line in rounds:
         for peer, weight in zip(line.get("group", []), line.get("weights", []), strict=False):
