@@ -76,3 +76,17 @@ def test_a_node_that_just_came_back_is_not_the_next_random_victim_at_the_same_mo
             back = {f.node for f in firings if f.action == "join"}
             victims = {f.node for f in firings if f.action == "kill"}
             assert len(victims) == 1 and not back & victims, (seed, k, firings)
+
+
+def test_a_random_kill_takes_only_a_node_that_contributes_and_never_the_last_one() -> None:
+    """A node whose process has not logged a round yet (starting, catching up) is no worker: a random kill, leave
+    or pause skips it, and never takes the last node that contributes, which holds the swarm's model (the churn
+    lab's kills once took every such node, and the swarm started again from round 0)."""
+    spec = parse_spec(BASE + '[[repeat]]\naction = "kill"\nnodes = "random"\nevery_rounds = 1\nfrom_round = 0\n')
+    for seed in range(20):
+        timeline, states = Timeline(parse_spec(spec.text.replace("seed = 3", f"seed = {seed}"))), _states()
+        (firing,) = timeline.due(0.0, 0, states, contributing={"node1", "node2"})
+        assert firing.node in {"node1", "node2"}, (seed, firing)
+        (firing,) = timeline.due(0.0, 1, states, contributing={"node1", "node2"})
+        assert firing.node is None and firing.skipped == "no node to kill", (seed, firing)
+        assert sum(s == "running" for s in states.values()) == 3

@@ -201,16 +201,17 @@ def plausible(
     even count): one peer claiming round 10**15 cannot drag a swarm forward (it is never among the others that
     vouch for it), and peers lagging behind cannot make the honest ones next to me look like liars (with the lower
     median, a node catching up while one peer waited at round 1 and two were at 3 dropped both of those: the only
-    peers it could catch up from). Peers still waiting to start or catching up (``NOT_IN_STEP``) do not count in the
-    median while any other peer does: half a swarm that waited for node.min_peers at round 0 while the other half
-    started must not hide the half that is ahead (they waited for each other for ever). A record with no other
-    peer to compare with is taken at its word, so a node that is behind (a joiner, a resumed node) can still follow
-    a swarm of one; two peers that lie alike outvote one that does not."""
+    peers it could catch up from). Peers still waiting to start or catching up (``NOT_IN_STEP``) never count: their
+    round says nothing of what the swarm holds. Half a swarm that waited for node.min_peers at round 0 while the
+    other half started must not hide the half that is ahead (they waited for each other for ever); and fresh
+    processes that join together must not hide the one node that survived (the churn lab: three joiners dropped
+    the survivor at round 4 and started the swarm again from round 0). A record with no peer in step to compare
+    with is taken at its word, so a node that is behind (a joiner, a resumed node) can still follow a swarm of one.
+    The price: at a swarm's birth, when no peer is in step yet, one peer claiming a round ahead can hand the
+    swarm its first model. Two peers that lie alike outvote one that does not."""
     kept = dict(records)
     for peer, record in records.items():
-        compared = [r for p, r in records.items() if p != peer]
-        in_step = [r for r in compared if r.state not in NOT_IN_STEP]
-        others = sorted(r.round for r in in_step or compared)
+        others = sorted(r.round for p, r in records.items() if p != peer and r.state not in NOT_IN_STEP)
         if not others:
             continue
         held = max(my_round, others[len(others) // 2])

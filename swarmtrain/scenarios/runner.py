@@ -71,6 +71,7 @@ class Runner:
         self.t0 = time.time()
         self.join_addr = ""
         self.rounds_done = 0
+        self.contributing: set[str] = set()  # nodes whose current process has logged a round (random victims)
         self.stopping = False
         self.net: Network | None = None  # a namespace per node when some link is shaped (links.py)
         self.stop_deadline = math.inf  # a wall-time scenario's nodes get this long to leave, then they are killed
@@ -192,12 +193,15 @@ class Runner:
     def read_progress(self) -> None:
         from swarmtrain.node.demo import read_metrics
 
-        done = self.rounds_done
-        for lives in self.lives.values():
+        done, contributing = self.rounds_done, set()
+        for name, lives in self.lives.items():
             for life in lives:
                 rows = [r for r in read_metrics(life.run_dir / "metrics.jsonl") if r.get("kind") == "round"]
                 if rows:
                     done = max(done, max(r["round"] for r in rows) + 1)
+                    if life is lives[-1] and life.ended is None:
+                        contributing.add(name)
+        self.contributing = contributing
         if done != self.rounds_done:
             self.rounds_done = done
             self.say()
@@ -272,7 +276,7 @@ class Runner:
                     self.say(f"nodes {' '.join(self.alive())} did not leave in {STOP_GRACE_S:g} s: killing them")
                     return
                 continue
-            for firing in self.timeline.due(now, self.rounds_done, self.states):
+            for firing in self.timeline.due(now, self.rounds_done, self.states, self.contributing):
                 self.apply(firing)
             running = [n for n in self.alive() if self.states[n] in ("running", "leaving")]
             if not running and not self.timeline.has_pending("s"):

@@ -2,7 +2,9 @@
 
 The runner asks ``Timeline.due(now_s, rounds_done, states)`` a few times a second. Events fire once their time
 (seconds since the start) or round (rounds the swarm completed) has come; repeating events are expanded into
-single ones up front; a ``random`` target is drawn (seeded) from the nodes the action applies to; an action that
+single ones up front; a ``random`` target is drawn (seeded) from the nodes the action applies to (to kill, make
+leave or pause: from the nodes that contribute, i.e. whose process has logged a round, and never the last of
+them, so the swarm always keeps a node that holds its model); an action that
 takes a node away and has ``back_after_*`` schedules the action that brings it back. ``states`` holds each node's
 state and is updated here, the one place where node states change on account of the timeline:
 
@@ -91,8 +93,11 @@ class Timeline:
     def has_pending(self, unit: str) -> bool:
         return any(p.unit == unit for p in self.pending)
 
-    def due(self, now_s: float, rounds_done: int, states: dict[str, str]) -> list[Firing]:
-        """The firings whose moment has come, in order, with ``states`` updated for each."""
+    def due(
+        self, now_s: float, rounds_done: int, states: dict[str, str], contributing: set[str] | None = None
+    ) -> list[Firing]:
+        """The firings whose moment has come, in order, with ``states`` updated for each. ``contributing``: the
+        nodes whose current process has logged a round (None: every node counts as contributing)."""
         ready = [p for p in self.pending if p.at <= (now_s if p.unit == "s" else rounds_done)]
         # At one moment: rounds before seconds, a node coming back before new events, then the order written.
         ready.sort(key=lambda p: (p.unit == "s", p.at, not p.source.startswith("back"), p.order))
@@ -101,7 +106,7 @@ class Timeline:
             self.pending.remove(p)
             # A random pick skips the nodes acted on at this moment: a node that just came back is not the next
             # victim before it has even started.
-            for node in self._targets(p, states, {f.node for f in fired if f.node is not None}):
+            for node in self._targets(p, states, {f.node for f in fired if f.node is not None}, contributing):
                 firing = self._apply(p, node, states)
                 fired.append(firing)
                 if firing.node is not None and p.back_after is not None:
@@ -109,12 +114,17 @@ class Timeline:
                     self._add(_Pending(p.unit, p.at + p.back_after, back, (firing.node,), f"back from {p.source}"))
         return fired
 
-    def _targets(self, p: _Pending, states: dict[str, str], busy: set[str]) -> list[str | None]:
+    def _targets(
+        self, p: _Pending, states: dict[str, str], busy: set[str], contributing: set[str] | None
+    ) -> list[str | None]:
         if p.nodes != ("random",):
             return list(p.nodes)
         candidates = sorted(n for n, s in states.items() if s in RANDOM_FROM[p.action] and n not in busy)
-        if p.action in ("kill", "leave", "pause") and sum(s == "running" for s in states.values()) <= 1:
-            candidates = []  # never take away the last running node: the swarm would stop
+        if p.action in ("kill", "leave", "pause"):
+            # A node still starting or catching up is no worker yet: taking it away tests nothing, and taking away
+            # every node that holds the model makes the swarm start again from round 0.
+            workers = [n for n, s in states.items() if s == "running" and (contributing is None or n in contributing)]
+            candidates = [n for n in candidates if n in workers] if len(workers) > 1 else []
         return [self.rng.choice(candidates) if candidates else None]
 
     def _apply(self, p: _Pending, node: str | None, states: dict[str, str]) -> Firing:
