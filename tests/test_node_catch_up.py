@@ -93,3 +93,30 @@ def test_a_node_catching_up_takes_an_averaging_donor_after_a_few_heartbeats(node
     waited = time.monotonic() - started
     assert fetched == [(PEERS[1:3], 9)] and events, (fetched, events)
     assert SETTLE_WAIT_S <= waited < SETTLE_WAIT_S + 5, waited
+
+
+def test_a_node_that_every_peer_is_behind_trains_on_after_a_few_heartbeats(node: Node) -> None:
+    """Found in the churn lab: the one node that survived a wave of kills was left alone for its round and went to
+    catch up. The fresh processes that joined meanwhile were at round 0, behind it: no donor could ever appear, yet
+    it waited the whole 30 s, and they waited for it."""
+    me = PEERS[0]
+    view = {p: record(p, 0).model_copy(update={"state": "starting"}) for p in PEERS[1:4]} | {me: record(me, 4)}
+    events: list[object] = []
+
+    async def refresh() -> None:
+        pass
+
+    averager = SimpleNamespace(me=me, round=4, outer=SimpleNamespace(digest=lambda: "mine", theta=None),
+                               lifecycle=SimpleNamespace(advance=events.append))  # fmt: skip
+    membership = SimpleNamespace(view=view, update=lambda **_: None, refresh=refresh)
+    node.status = SimpleNamespace(set=lambda *_: None)  # type: ignore[assignment]
+    started = time.monotonic()
+    asyncio.run(node._catch_up_until(averager, membership, None, started + 30.0))  # type: ignore[arg-type]
+    waited = time.monotonic() - started
+    assert [str(e) for e in events] == ["no_donor"] and SETTLE_WAIT_S <= waited < SETTLE_WAIT_S + 5, (events, waited)
+    # Peers in step but behind are finishing the round I was left out of: I wait for its state, not train on.
+    view[PEERS[1]] = record(PEERS[1], 3)
+    events.clear()
+    started = time.monotonic()
+    asyncio.run(node._catch_up_until(averager, membership, None, started + SETTLE_WAIT_S + 6))  # type: ignore[arg-type]
+    assert time.monotonic() - started >= SETTLE_WAIT_S + 6 and [str(e) for e in events] == ["no_donor"], events

@@ -42,7 +42,7 @@ from swarmtrain.compression import get_codec
 from swarmtrain.config import Config, write_resolved
 from swarmtrain.data import load_corpus
 from swarmtrain.dht import Membership, PeerRecord, ban_table, load_identity_key, record_validators
-from swarmtrain.dht.membership import MAX_COUNT, MAX_LOSS
+from swarmtrain.dht.membership import MAX_COUNT, MAX_LOSS, NOT_IN_STEP
 from swarmtrain.errors import CheckpointError, SwarmtrainError
 from swarmtrain.net import P2PTransport, load_auth, serve_hello, verify_swarm
 from swarmtrain.net.reachability import FIX, ask_dialback, dialable, is_loopback, serve_dialback
@@ -378,6 +378,18 @@ class Node:
                 # there is nothing to fetch; train on with them.
                 log.info("no peer is ahead; peers catching up hold my state (round %d): training on", mine[0])
                 averager.lifecycle.advance(Event.FOUND_IN_STEP)
+                return
+            others = [r for p, r in membership.view.items() if p != averager.me]
+            behind = all(r.round < mine[0] and r.state in NOT_IN_STEP for r in others)
+            if not ahead and others and behind and time.monotonic() > patient_until:
+                # Every peer I see is behind me and starting or catching up itself (fresh processes that joined
+                # after my group died): no one holds a later state, and they will catch up from me. Waiting out the
+                # whole catch-up kept them waiting too (30 s in the churn lab). Peers in step but behind are still
+                # finishing the round I was left out of: I wait for its state as before.
+                log.info(
+                    "no peer is ahead of round %d, %d are behind: training on from my state", mine[0], len(others)
+                )
+                averager.lifecycle.advance(Event.NO_DONOR)
                 return
             if ahead:
                 # The round and digest most peers hold, not the highest claim: one peer cannot drag us forward.
