@@ -168,10 +168,10 @@ async def test_a_reducer_keeps_what_it_averaged_for_checkers_and_a_tampered_copy
     b.results[a.index].masks[0] = mask
     b.results[a.index].buffer[:] = torch.ones(end - start)  # the result b received
     evidence = a.on_evidence(b.me, {"shard": a.index, "part": 0})
-    assert b._check_evidence(a.index, 0, evidence) is None
+    assert b._check_evidence(a.index, 0, 0, end - start, evidence) is None
     a.kept[b.index, 0][0] = get_codec("fp32").encode(torch.full((end - start,), 2.0))
-    problem = b._check_evidence(a.index, 0, a.on_evidence(b.me, {"shard": a.index, "part": 0}))
+    problem = b._check_evidence(a.index, 0, 0, end - start, a.on_evidence(b.me, {"shard": a.index, "part": 0}))
     assert problem == f"its evidence holds a contribution {b.me[-8:]} did not sign"
     del a.kept[b.index, 0]
-    problem = b._check_evidence(a.index, 0, a.on_evidence(b.me, {"shard": a.index, "part": 0}))
+    problem = b._check_evidence(a.index, 0, 0, end - start, a.on_evidence(b.me, {"shard": a.index, "part": 0}))
     assert problem == "it showed 0 of the 1 contributions its result includes"

@@ -112,10 +112,10 @@ class AllReduce(GroupExchange):
         self.sent = alloc(f"{tag}sent", delta.numel()) if residual is not None else None
         self.encoded: list[tuple[int, int]] = []  # the ranges of ``sent`` written this round
         self.aggregator = aggregator or Aggregator()  # how a reducer combines a part's contributions (``robust``)
-        # Replicated reduction (``_verify``): with a signer, every part carries its sender's signature; a reducer
-        # keeps the signed parts it averaged (per member index and part) until its report is out, and a member
-        # checks ``verify`` parts of other reducers' shards a round on average, chosen by ``rng`` (private and
-        # unpredictable in a node: a reducer cannot know which of its parts will be checked).
+        # Replicated reduction (``_verify``): with ``verify`` (it needs a signer), every part carries its sender's
+        # signature; a reducer keeps the signed parts it averaged (per member index and part) until its report is
+        # out, and a member checks ``verify`` parts of other reducers' shards a round on average, chosen by ``rng``
+        # (private and unpredictable in a node: a reducer cannot know which of its parts will be checked).
         self.verify = verify if signer is not None else 0.0
         self.rng = rng or random.SystemRandom()
         self.kept: dict[tuple[int, int], list[bytes]] = {}
@@ -147,6 +147,12 @@ class AllReduce(GroupExchange):
         bits = sum(1 << i for i in included)
         return bits.to_bytes(self.mask_bytes, "little")
 
+    @staticmethod
+    def _included(mask: bytes) -> list[int]:
+        """The member indices a part's mask names (``_mask`` the other way)."""
+        bits = int.from_bytes(mask, "little")
+        return [i for i in range(bits.bit_length()) if bits >> i & 1]
+
     def _check_mask(self, mask: bytes) -> bytes:
         if len(mask) != self.mask_bytes or int.from_bytes(mask, "little") >> self.group.size:
             raise Rejected("bad result: its mask of included members does not fit the group")
@@ -160,19 +166,22 @@ class AllReduce(GroupExchange):
         return hashlib.sha256(tensor_hash(box.buffer).encode() + masks).hexdigest()[:24]
 
     def _seal(self, shard: int, part: int, payload: bytes) -> bytes:
-        """A part as it is sent: with a signer, its sender's signature of (round, shard, part, payload hash) ahead
-        of the payload, so its reducer can show a member that checks it what it averaged (``_verify``), and cannot
-        show anything else in a member's name."""
-        if self.signer is None:
+        """A part as it is sent: where the swarm checks reducers (``verify``, a swarm setting), its sender's signature
+        of (round, shard, part, payload hash) ahead of the payload, so its reducer can show a member that checks it
+        what it averaged (``_verify``), and cannot show anything else in a member's name."""
+        if self.verify <= 0:
             return payload
+        assert self.signer is not None  # ``verify`` is 0 without one
         proof = self.signer.sign(self.route, "part", [shard, part, _digest(payload)])
         sig, key = proof["sig"], proof["key"]
         return len(sig).to_bytes(2, "little") + sig + len(key).to_bytes(2, "little") + key + payload
 
     def _unseal(self, sender: str, part: Any, body: bytes) -> tuple[bytes, bytes, bytes]:
-        """(payload, signature, key) of a part sent to me; Rejected unless ``sender`` signed it for my shard."""
-        if self.signer is None:
+        """(payload, signature, key) of a part sent to me; Rejected unless ``sender`` signed it for my shard (where
+        the swarm checks reducers)."""
+        if self.verify <= 0:
             return body, b"", b""
+        assert self.signer is not None
         n = int.from_bytes(body[:2], "little")
         m = int.from_bytes(body[2 + n : 4 + n], "little")
         sig, key, payload = body[2 : 2 + n], body[4 + n : 4 + n + m], body[4 + n + m :]
@@ -210,7 +219,7 @@ class AllReduce(GroupExchange):
                 raise Rejected(f"part for shard {header.get('shard')!r} sent to the reducer of shard {self.index}")
             payload, sig, key = self._unseal(sender, part, body)
             self._store(box, header, payload, self.codec_up, "part")
-            if self.verify > 0:
+            if self.verify > 0:  # kept for the members that check me
                 self.kept[self.group.index(sender), part] = [payload, sig, key]
         except Rejected as exc:
             # Left out of this round entirely: nobody waits for its parts, results or report any more.
@@ -388,8 +397,7 @@ class AllReduce(GroupExchange):
         part, box = header.get("part"), self.results[self.index]
         if header.get("shard") != self.index or not isinstance(part, int) or part not in box.masks:
             raise Rejected(f"no part {part!r} of shard {header.get('shard')!r} reduced here")
-        mask = int.from_bytes(box.masks[part], "little")
-        rows = [[i, *self.kept[i, part]] for i in range(self.group.size) if mask >> i & 1 and (i, part) in self.kept]
+        rows = [[i, *self.kept[i, part]] for i in self._included(box.masks[part]) if (i, part) in self.kept]
         return msgpack.packb(rows, use_bin_type=True)
 
     async def _verify(self) -> list[int]:
@@ -428,7 +436,7 @@ class AllReduce(GroupExchange):
             log.info("could not check part %d of shard %d (%s): I withhold the shard", p, j, exc)
             self.checked.append((j, p, "unanswered"))
             return False
-        problem = self._check_evidence(j, p, body)
+        problem = self._check_evidence(j, p, start, end, body)
         self.checked.append((j, p, "ok" if problem is None else "wrong"))
         if problem is None:
             return True
@@ -436,15 +444,15 @@ class AllReduce(GroupExchange):
         log.warning("reducer %s reduced part %d of shard %d wrongly: %s; I withhold it", reducer[-8:], p, j, problem)
         return False
 
-    def _check_evidence(self, j: int, p: int, body: bytes) -> str | None:
-        """Why the contributions a reducer showed do not give the result of part ``p`` of shard ``j``, or None."""
+    def _check_evidence(self, j: int, p: int, start: int, end: int, body: bytes) -> str | None:
+        """Why the contributions a reducer showed do not give the result of part ``p`` (``start:end`` of shard
+        ``j``), or None."""
         assert self.signer is not None
         try:
             rows = msgpack.unpackb(body, raw=False)
         except (ValueError, msgpack.UnpackException, TypeError):
             return "its evidence is not msgpack"
-        mask = int.from_bytes(self.results[j].masks[p], "little")
-        included = [i for i in range(self.group.size) if mask >> i & 1]
+        included = self._included(self.results[j].masks[p])
         payloads: dict[int, bytes] = {}
         for row in rows if isinstance(rows, list) else [None]:
             if not (isinstance(row, list) and len(row) == 4 and isinstance(row[0], int) and row[0] in included):
@@ -458,7 +466,6 @@ class AllReduce(GroupExchange):
             payloads[i] = payload
         if sorted(payloads) != included:
             return f"it showed {len(payloads)} of the {len(included)} contributions its result includes"
-        start, end = self._parts(self.results[j].buffer.numel())[p]
         try:
             rows = [self._decode(self.codec_up, payloads[i], end - start, "evidence") for i in included]
         except Rejected as exc:

@@ -38,8 +38,8 @@ log = logging.getLogger(__name__)
 # 2: sparse/low-rank all-gathered; 3: state in chunks; 4: relays, records signed by identity; 5: shards rotate
 # per round, a group runs one budget, bans; 6: result parts name the members they include, "ledger"; 7: reports
 # and digests signed with identity keys, relayed values that differ proven on request ("proofs"); 8: peer records
-# carry loss, bpb, tokens and bytes sent (``swarmtrain dashboard --join``); 9: parts signed by their senders,
-# reducers show what they averaged to members that check them ("evidence").
+# carry loss, bpb, tokens and bytes sent (``swarmtrain dashboard --join``); 9: with averaging.verify, parts signed
+# by their senders and reducers show what they averaged to members that check them ("evidence").
 PROTOCOL_VERSION = 9
 _ROUTE_WAIT = 5.0  # a member may hear of its group a moment after a peer that already sends
 _SMALL = 1 << 16
