@@ -147,6 +147,11 @@ class NodeConfig(_Section):
     """Behind a NAT with no forwarded port: have relays carry inbound connections (the p2p daemon's AutoRelay)."""
     relays: list[str] = Field(default_factory=list)
     """Multiaddrs of relays to use with node.use_auto_relay (the daemon's trusted relays)."""
+    up_delay_ms: float = Field(0.0, ge=0.0, le=10_000.0)
+    """Delay added to each message of the round protocol and state transfer this node sends, to try a distant
+    link on one machine (a scenario's link up_ms); 0: none. The DHT's own messages are not delayed."""
+    down_delay_ms: float = Field(0.0, ge=0.0, le=10_000.0)
+    """The same for each message this node receives (a scenario's link down_ms)."""
     join: list[str] = Field(default_factory=list)
     """Multiaddrs of peers already in the swarm (with /p2p/<peer id>); empty starts a new swarm."""
     identity: str | None = None

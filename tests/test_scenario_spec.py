@@ -10,6 +10,7 @@ import pytest
 
 from swarmtrain.cli import main
 from swarmtrain.scenarios import ScenarioError, parse_spec
+from swarmtrain.scenarios.runner import Runner
 from swarmtrain.scenarios.spec import load_spec
 
 GOOD = """\
@@ -145,19 +146,40 @@ def test_links_default_from_swarm_a_node_overrides_them_and_a_link_event_carries
         '[[repeat]]\naction = "partition"\nnodes = "random"\nevery_s = 5\nback_after_s = 2\n'
     )
     assert [(n.up_mbit, n.down_mbit) for n in spec.nodes] == [(100.0, 50.0), (2.0, None)]
+    assert [(n.up_ms, n.down_ms) for n in spec.nodes] == [(0.0, 0.0), (0.0, 0.0)]
     (event,) = spec.events
     assert (event.up_mbit, event.down_mbit) == (None, 10.0) and spec.shaped
     assert not parse_spec("[swarm]\nnodes = 2\nrounds = 3\n").shaped
 
 
+def test_link_delays_reach_each_node_as_its_transport_delays(tmp_path: Path) -> None:
+    """up_ms and down_ms need no namespace: the runner starts the node with node.up_delay_ms and down_delay_ms."""
+    spec = parse_spec(
+        "[swarm]\nnodes = 2\nrounds = 3\nlink = { up_ms = 12.5, down_ms = 10 }\n"
+        "[nodes.node1]\nlink = { up_mbit = 5 }\n"
+    )
+    assert [(n.up_ms, n.down_ms) for n in spec.nodes] == [(12.5, 10.0), (0.0, 0.0)]
+    assert not parse_spec(spec.text.split("[nodes.node1]")[0]).shaped
+    runner = Runner(spec, tmp_path)
+    first, second = (runner.node_args(n, tmp_path, True, False) for n in ("node0", "node1"))
+    assert "node.up_delay_ms=12.5" in first and "node.down_delay_ms=10.0" in first
+    assert not any("delay_ms" in arg for arg in second)
+
+
 @pytest.mark.parametrize(
     ("text", "expected"),
     [
-        ("link = { up_mbit = 100, latency_ms = 50 }", "bad.toml:4: swarm.link.latency_ms: is not supported: links"),
+        ("link = { up_mbit = 100, latency_ms = 50 }", "bad.toml:4: swarm.link.latency_ms: is set per direction"),
+        ("link = { up_mbit = 100, loss = 0.01 }", "bad.toml:4: swarm.link.loss: is not supported"),
+        ("link = { up_ms = -1 }", "bad.toml:4: swarm.link.up_ms: must be 0 to 10000 ms"),
+        (
+            '[[event]]\nat_s = 1\naction = "link"\nnodes = ["node0"]\nup_ms = 5',
+            "bad.toml:8: event[0].up_ms: a node's delay is fixed when it starts",
+        ),
         ("link = { up_mbit = 0 }", "bad.toml:4: swarm.link.up_mbit: must be positive Mbit/s"),
         (
             "link = { up = 1 }",
-            "bad.toml:4: swarm.link.up: is not a known key. The keys of swarm.link are: up_mbit, down_mbit.",
+            "bad.toml:4: swarm.link.up: is not a known key. The keys of swarm.link are: up_mbit, down_mbit, up_ms,",
         ),
         ('[[event]]\nat_s = 1\naction = "kill"\nnodes = ["node0"]\nup_mbit = 5', "bad.toml:8: event[0].up_mbit: only"),
     ],
@@ -173,10 +195,10 @@ def test_every_shipped_scenario_passes_check(path: Path) -> None:
 
 def test_each_lab_names_shipped_scenarios_and_a_lab_that_does_not_exist_is_refused() -> None:
     script = Path(__file__).parent.parent / "scenarios" / "lab.sh"
-    labs = dict(re.findall(r'^\s+(\d)\) runs="([^"]+)"', script.read_text(), flags=re.M))
-    assert sorted(labs) == ["1", "2", "3", "5"], labs
+    labs = dict(re.findall(r'^\s+(\d|links)\) runs="([^"]+)"', script.read_text(), flags=re.M))
+    assert sorted(labs) == ["1", "2", "3", "5", "links"], labs
     for lab, runs in labs.items():
         for run in runs.split():
             assert load_spec(script.parent / f"{run}.toml").nodes, (lab, run)  # exists and is a valid scenario
     done = subprocess.run(["bash", str(script), "9"], capture_output=True, text=True, timeout=30)
-    assert done.returncode == 2 and "usage: scenarios/lab.sh 1|2|3|5" in done.stderr, done
+    assert done.returncode == 2 and "usage: scenarios/lab.sh 1|2|3|5|links" in done.stderr, done

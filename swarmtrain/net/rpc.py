@@ -205,13 +205,25 @@ async def run_handler(
 class P2PTransport(Transport):
     """``Transport`` over a running ``hivemind.p2p.P2P`` daemon."""
 
-    def __init__(self, p2p: P2P, max_response: int = DEFAULT_MAX_REPLY, auth: SwarmAuth = PUBLIC) -> None:
+    def __init__(
+        self,
+        p2p: P2P,
+        max_response: int = DEFAULT_MAX_REPLY,
+        auth: SwarmAuth = PUBLIC,
+        up_delay_s: float = 0.0,
+        down_delay_s: float = 0.0,
+    ) -> None:
         self.p2p = p2p
         self.peer_id = p2p.peer_id.to_base58()
         self.counter = ByteCounter()
         self.max_response = max_response
         self.auth = auth
         self.limit = PeerLimit()
+        # A distant link on one machine (node.up_delay_ms, node.down_delay_ms): each message this node sends
+        # leaves up_delay_s late, each it receives is read down_delay_s late. A message's frames follow its
+        # header down the stream, so a streamed call is late once, as on a long pipe, not once per frame.
+        self.up_delay_s = up_delay_s
+        self.down_delay_s = down_delay_s
 
     async def call_stream(
         self,
@@ -238,6 +250,7 @@ class P2PTransport(Transport):
         writer = None
         try:
             _, reader, writer = await self.p2p.call_binary_stream_handler(PeerID.from_base58(peer), _PREFIX + method)
+            await _late(self.up_delay_s)
             self.counter.sent += write_frame(writer, packed)
             sent = 0
             async for frame in frames:
@@ -251,6 +264,7 @@ class P2PTransport(Transport):
             response_body = await read_frame(reader, limit)  # refused after its 8-byte length if over the bound
             self.counter.received += 2 * _LEN_BYTES + len(raw) + len(response_body)
             response = unpack_header(raw)
+            await _late(self.down_delay_s)
         except (ConnectionError, asyncio.IncompleteReadError, OSError) as exc:
             raise PeerUnreachable(f"{method} to {peer[-8:]} failed: {exc!r}") from None
         except BadMessage as exc:  # a garbled answer: treat the peer as broken, like a dropped stream
@@ -277,6 +291,7 @@ class P2PTransport(Transport):
                 return
             try:
                 raw = await read_frame(reader, MAX_HEADER)
+                await _late(self.down_delay_s)
                 self.counter.received += _LEN_BYTES + len(raw)
                 header = unpack_header(raw)
                 count = header.pop("frames", None)
@@ -288,6 +303,7 @@ class P2PTransport(Transport):
                         return
                     if count == 1:
                         await read_frame(reader, max_body)
+                    await _late(self.up_delay_s)
                     self.counter.sent += write_frame(writer, pack_header(refusal)) + write_frame(writer, b"")
                     await writer.drain()
                     return
@@ -311,6 +327,7 @@ class P2PTransport(Transport):
                 while consumed < count:  # a refusal mid-stream: read the rest (bounded) so the answer arrives
                     consumed += 1
                     self.counter.received += _LEN_BYTES + len(await read_frame(reader, max_body))
+                await _late(self.up_delay_s)
                 self.counter.sent += write_frame(writer, pack_header(response)) + write_frame(writer, response_body)
                 await writer.drain()
             except BadMessage as exc:
@@ -326,6 +343,11 @@ class P2PTransport(Transport):
                 writer.close()
 
         await self.p2p.add_binary_stream_handler(_PREFIX + method, on_stream)
+
+
+async def _late(seconds: float) -> None:
+    if seconds > 0:
+        await asyncio.sleep(seconds)
 
 
 async def single(body: bytes) -> AsyncIterator[bytes]:

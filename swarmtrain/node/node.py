@@ -192,7 +192,8 @@ class Node:
             trainer = build_inner_loop(config, corpus, data_seed)  # standard or localtrain (train.trainer)
             theta = trainer.vector()
             self.numel = theta.numel()
-            transport = P2PTransport(p2p, auth=auth)
+            delays = {"up_delay_s": node.up_delay_ms / 1000, "down_delay_s": node.down_delay_ms / 1000}
+            transport = P2PTransport(p2p, auth=auth, **delays)
             await serve_hello(transport)
             settings = swarm_settings(config)
             await serve_settings(transport, settings)

@@ -7,8 +7,9 @@ Each node runs in a namespace of its own (``ip netns exec``), joined to the runn
 host end sits on a bridge that also carries the bootstrap peer's address. A token-bucket filter on the node's end
 shapes what it sends (uplink), one on the host end what it receives (downlink). A ``link`` event replaces them, a
 ``partition`` moves the listed nodes' host ends onto a second bridge (they still reach each other, not the rest),
-and ``heal`` moves them back. Needs root and the ``ip``/``tc`` tools; the kernel's ``netem`` (latency, loss) is not
-available on the machines this was built on, so links have a rate only.
+and ``heal`` moves them back. Needs root and the ``ip``/``tc`` tools. The kernel's ``netem`` (latency, loss) is not
+available on the machines this was built on: a link's delay (up_ms, down_ms) is added by the node's own transport
+(node.up_delay_ms, node.down_delay_ms), and loss cannot be set.
 
 Every name carries a short id of the run, and ``close`` deletes every namespace, veth and bridge it created.
 """

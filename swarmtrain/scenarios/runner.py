@@ -122,7 +122,10 @@ class Runner:
         raise ScenarioError(f"scenario error: the bootstrap peer did not come up. Its log ends with:\n{tail}")
 
     def node_args(self, name: str, run_dir: Path, initial: bool, resume: bool) -> list[str]:
-        settings = {**DEFAULTS, **self.spec.node(name).settings}
+        node = self.spec.node(name)
+        settings = {**DEFAULTS, **node.settings}
+        if node.up_ms or node.down_ms:  # the node's transport delays its messages (links.py shapes rates only)
+            settings |= {"node.up_delay_ms": node.up_ms, "node.down_delay_ms": node.down_ms}
         data = settings.get("data.path")
         if isinstance(data, str) and not Path(data).is_absolute() and (self.spec.path.parent / data).exists():
             settings["data.path"] = str(self.spec.path.parent / data)  # relative to the scenario file

@@ -54,6 +54,7 @@ Action = Literal["join", "leave", "kill", "pause", "resume", "link", "partition"
 ACTIONS: tuple[str, ...] = ("join", "leave", "kill", "pause", "resume", "link", "partition", "heal")
 NETWORK_ACTIONS = ("link", "partition", "heal")  # need link shaping (a namespace per node; see links.py)
 LINK_KEYS = ("up_mbit", "down_mbit")
+DELAY_KEYS = ("up_ms", "down_ms")  # the node's own transport adds them (node.up_delay_ms); links.py shapes rates
 BACK = {"kill": "join", "leave": "join", "pause": "resume", "partition": "heal"}  # what brings a node back
 
 # Keys the runner sets for each node process; a spec that sets them would fight it.
@@ -82,6 +83,10 @@ class NodeSpec:
     """Rate of what the node sends, Mbit/s (None: unlimited)."""
     down_mbit: float | None = None
     """Rate of what the node receives, Mbit/s (None: unlimited)."""
+    up_ms: float = 0.0
+    """Delay of each message the node sends, ms: a message from A to B is late by A's up_ms plus B's down_ms."""
+    down_ms: float = 0.0
+    """Delay of each message the node receives, ms."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -265,19 +270,29 @@ class _Parser:
         return tuple(value)
 
     def link(self, table: Any, name: str, line: int) -> dict[str, float | None]:
-        """The rates of a link table ({ up_mbit = 100, down_mbit = 20 }); an absent key is unlimited."""
+        """The rates and delays of a link table ({ up_mbit = 100, down_mbit = 20, up_ms = 25, down_ms = 25 }); an
+        absent rate is unlimited, an absent delay 0."""
         if not isinstance(table, dict):
-            raise self.fail(line, name, "must be a table such as { up_mbit = 100, down_mbit = 20 }.")
-        for key in table:
-            if key in ("latency_ms", "loss"):
-                raise self.fail(line, f"{name}.{key}", "is not supported: links are shaped by the kernel's tbf, which "
-                                "limits the rate only (this kernel has no netem); remove it.")  # fmt: skip
-        self.unknown(table, LINK_KEYS, name, lambda k: line)
+            raise self.fail(line, name, "must be a table such as { up_mbit = 100, down_mbit = 20, up_ms = 25 }.")
+        if "latency_ms" in table:
+            raise self.fail(line, f"{name}.latency_ms", "is set per direction: up_ms delays what the node sends, "
+                            "down_ms what it receives (A to B: A's up_ms plus B's down_ms).")  # fmt: skip
+        if "loss" in table:
+            raise self.fail(line, f"{name}.loss", "is not supported: this kernel has no netem to drop packets, and "
+                            "losses made up above TCP would not behave as TCP's do; remove it.")  # fmt: skip
+        self.unknown(table, (*LINK_KEYS, *DELAY_KEYS), name, lambda k: line)
         rates = {k: self.take(table, name, k, (int, float), line) for k in LINK_KEYS}
         for key, value in rates.items():
             if value is not None and value <= 0:
                 raise self.fail(line, f"{name}.{key}", "must be positive Mbit/s (leave it out for an unlimited link).")
-        return {k: None if v is None else float(v) for k, v in rates.items()}
+        delays = {k: self.take(table, name, k, (int, float), line) or 0.0 for k in DELAY_KEYS}
+        for key, value in delays.items():
+            if not 0 <= value <= 10_000:
+                raise self.fail(line, f"{name}.{key}", "must be 0 to 10000 ms.")
+        return {
+            **{k: None if v is None else float(v) for k, v in rates.items()},
+            **{k: float(v) for k, v in delays.items()},
+        }
 
     def action(self, table: dict[str, Any], name: str, line: int) -> Action:
         action = table.get("action")
@@ -396,7 +411,7 @@ def parse_spec(text: str, path: Path | str = "<scenario>") -> Scenario:
         first = where.header("event", i)
         name = f"event[{i}]"
         lines = lambda k, i=i: where.key("event", k, i)  # noqa: E731
-        p.unknown(table, ("action", "nodes", "at_s", "at_round", *LINK_KEYS), name, lines)
+        p.unknown(table, ("action", "nodes", "at_s", "at_round", *LINK_KEYS, *DELAY_KEYS), name, lines)
         at_s = p.take(table, name, "at_s", (int, float), lines("at_s"))
         at_round = p.take(table, name, "at_round", (int,), lines("at_round"))
         if (at_s is None) == (at_round is None):
@@ -408,8 +423,12 @@ def parse_spec(text: str, path: Path | str = "<scenario>") -> Scenario:
         action = p.action(table, name, lines("action"))
         targets = p.targets(table, name, lines("nodes"), known)
         rates = {k: None for k in LINK_KEYS}
+        if key := next((k for k in DELAY_KEYS if k in table), None):
+            raise p.fail(lines(key), f"{name}.{key}", "a node's delay is fixed when it starts (its transport adds "
+                         "it): set it in the swarm's or the node's link table, not in an event.")  # fmt: skip
         if action == "link":
-            rates = p.link({k: table[k] for k in LINK_KEYS if k in table}, name, first)
+            link = p.link({k: table[k] for k in LINK_KEYS if k in table}, name, first)
+            rates = {k: link[k] for k in LINK_KEYS}
         elif key := next((k for k in LINK_KEYS if k in table), None):
             raise p.fail(lines(key), f"{name}.{key}", f"only a link event sets rates, not {action}; remove it.")
         events.append(Event(action=action, nodes=targets, at_s=at_s, at_round=at_round, line=first, **rates))
