@@ -58,6 +58,12 @@ class ModelConfig(_Section):
 class DataConfig(_Section):
     path: str | None = None
     """Text file, folder of text files, or enwik8; unset means the Python standard library's source tree."""
+    include: list[str] = Field(default_factory=list, max_length=1000)
+    """Train only on these folders of a folder corpus (relative to it, e.g. ["asyncio", "email"]); empty: all of
+    it. Nodes given different folders train on different text (a non-IID swarm)."""
+    eval_parts: list[str] = Field(default_factory=list, max_length=100)
+    """Folders of the corpus (as data.include names them) on which the node's final evaluation also measures
+    held-out bpb, each and all together (metrics.jsonl `bpb_parts`): how the one model does on each node's text."""
     val_fraction: float = Field(0.05, gt=0.0, lt=0.5)
     """Share of a corpus held out for validation (whole files for folders; the tail for a single file)."""
     cache_dir: str | None = None

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from swarmtrain.config import DataConfig
-from swarmtrain.data import eval_starts, load_corpus, stdlib_root, train_batch
+from swarmtrain.data import eval_starts, load_corpus, load_parts, stdlib_root, train_batch
 from swarmtrain.errors import DataError
 
 from .conftest import english_like
@@ -88,3 +88,33 @@ def test_batches_are_a_function_of_seed_and_step(text_file: Path) -> None:
     assert not np.array_equal(a.numpy(), train_batch(split, 4, 16, seed=1, step=8).numpy())
     starts = eval_starts(split, 10, 16)
     assert np.array_equal(starts, eval_starts(split, 10, 16)) and starts.max() <= len(split) - 17
+
+
+def test_include_keeps_only_the_named_folders_and_eval_parts_hold_each_and_all(tmp_path: Path) -> None:
+    """data.include: a node trains on some folders of a corpus (non-IID); data.eval_parts: the validation bytes
+    of each named folder and of all of them, from the same by-file split as the whole corpus."""
+    folder = tmp_path / "texts"
+    for i in range(60):
+        (folder / f"d{i % 3}").mkdir(parents=True, exist_ok=True)
+        (folder / f"d{i % 3}" / f"f{i}.txt").write_bytes(bytes([65 + i % 3]) * 1000)  # d0: A..., d1: B..., d2: C...
+    config = DataConfig(path=str(folder), val_fraction=0.2, cache_dir=str(tmp_path / "cache"))
+    whole = load_corpus(config)
+    only = load_corpus(config.model_copy(update={"include": ["d1"]}))
+    assert set(bytes(only.train)) == {66} and set(bytes(only.val)) == {66} and "only d1" in only.description
+    both = load_corpus(config.model_copy(update={"include": ["d0", "d2/"]}))
+    assert set(bytes(both.train)) == {65, 67} and len(both.train) + len(both.val) == 40 * 1000
+    parts = load_parts(config.model_copy(update={"eval_parts": ["d0", "d1"]}), context=64)
+    assert list(parts) == ["d0", "d1", "all"]
+    assert set(bytes(parts["d0"])) == {65} and set(bytes(parts["all"])) == {65, 66}
+    assert len(parts["all"]) == len(parts["d0"]) + len(parts["d1"])
+    assert set(bytes(whole.val)) >= set(bytes(parts["all"]))  # the same files held out as in the whole corpus
+    with pytest.raises(DataError, match="data.include names 'd9', which is not a folder inside"):
+        load_corpus(config.model_copy(update={"include": ["d9"]}))
+    with pytest.raises(DataError, match="data.include names '../texts'"):
+        load_corpus(config.model_copy(update={"include": ["../texts"]}))
+    with pytest.raises(DataError, match="fewer than one window of model.context"):
+        load_parts(config.model_copy(update={"eval_parts": ["d0"]}), context=100_000)
+    single = tmp_path / "one.txt"
+    single.write_bytes(english_like(5000, seed=1))
+    with pytest.raises(DataError, match="data.include names folders of a folder corpus"):
+        load_corpus(DataConfig(path=str(single), include=["x"]))

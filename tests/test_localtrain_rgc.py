@@ -25,9 +25,10 @@ from swarmtrain.localtrain.rgc import ReadoutConsensus, combine_readout_grads, c
 from swarmtrain.localtrain.serial import SerialEngine
 from swarmtrain.localtrain.stage import Stage, build_full, build_stage_modules, local_loss
 from swarmtrain.localtrain.stats import paired_gap, t95
-from swarmtrain.localtrain.trainer import LocalTrainer, evaluate_bpb
+from swarmtrain.localtrain.trainer import LocalTrainer
 from swarmtrain.model import VOCAB
 from swarmtrain.train import Trainer
+from swarmtrain.train.trainer import evaluate_bpb
 from tests.conftest import tiny_config
 
 pytestmark = pytest.mark.timeout(60)
@@ -148,7 +149,7 @@ def test_local_methods_learn(tmp_path: Path, text_file: Path) -> None:
     corpus = load_corpus(config.data)
     for method in ("live-local", "rgc-serial", "broadcast-serial"):
         with LocalTrainer(config, corpus, LocalTrainConfig(method=method, stages=2, threads=1)) as trainer:
-            before = evaluate_bpb(trainer.model, corpus, config)
+            before = evaluate_bpb(trainer.model, corpus.val, config)
             losses = [trainer.train_step() for _ in range(30)]
             after = trainer.evaluate()
         assert math.isfinite(after) and after < before - 0.5, method

@@ -155,3 +155,32 @@ def test_a_node_back_as_a_new_process_reports_the_final_bpb_of_its_last_process(
     assert "| node1 | 2 | 200 |" in text and "| -9 | - |" in text  # the killed first process has no final bpb
     assert "| node1.2 | 1 | 100 | 1,000 | 9.0 | 2.0 | 22.2% | 0 | 5.0000 |" in text
     assert [j["node"] for j in s["joiners"]] == ["node2", "node1.2"]
+
+
+def test_held_out_bpb_by_part_is_tabled_per_node_and_compared_only_where_a_run_has_parts(
+    folder: Path, tmp_path: Path
+) -> None:
+    """data.eval_parts: each node's final row carries bpb_parts; the summary tables them with their mean, and
+    compare adds a column for them only when some run has them."""
+    import shutil
+
+    from swarmtrain.scenarios.compare import compare
+
+    plain = tmp_path / "plain"
+    shutil.copytree(folder, plain)
+    parts = {"node0": {"a": 2.0, "b": 4.0, "all": 3.5}, "node2": {"a": 3.0, "b": 5.0, "all": 4.5}}
+    for name, bpbs in parts.items():
+        path = folder / "nodes" / name / "metrics.jsonl"
+        rows = [json.loads(line) for line in path.read_text().splitlines()]
+        rows[-1]["bpb_parts"] = bpbs
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    text = write_report(folder).read_text()
+    s = json.loads((folder / "summary.json").read_text())
+    assert s["final_bpb_parts"] == parts and s["final_bpb_parts_mean"] == {"a": 2.5, "b": 4.5, "all": 4.0}
+    assert "| node | a | b | all |" in text and "| node2 | 3.0000 | 5.0000 | 4.5000 |" in text
+    assert "| mean | 2.5000 | 4.5000 | 4.0000 |" in text
+    assert "by part" not in write_report(plain).read_text()
+    both = compare([folder, plain], tmp_path / "cmp").read_text()
+    assert "| utilisation | held-out bpb by part |" in both
+    assert "| 31.8% | a 2.5000, b 4.5000, all 4.0000 |" in both and "| 31.8% | - |" in both, both
+    assert "by part" not in compare([plain], tmp_path / "cmp2").read_text()

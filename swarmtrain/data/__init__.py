@@ -1,6 +1,15 @@
 """Byte corpora and batches."""
 
 from swarmtrain.data.batches import eval_starts, train_batch, windows
-from swarmtrain.data.corpus import Corpus, load_corpus, looks_like_text, stdlib_root
+from swarmtrain.data.corpus import Corpus, load_corpus, load_parts, looks_like_text, stdlib_root
 
-__all__ = ["Corpus", "eval_starts", "load_corpus", "looks_like_text", "stdlib_root", "train_batch", "windows"]
+__all__ = [
+    "Corpus",
+    "eval_starts",
+    "load_corpus",
+    "load_parts",
+    "looks_like_text",
+    "stdlib_root",
+    "train_batch",
+    "windows",
+]

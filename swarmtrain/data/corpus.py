@@ -92,7 +92,27 @@ def load_corpus(config: DataConfig) -> Corpus:
         )
     if path.is_dir():
         return _load_folder(path, config, suffixes=None, label=str(path))
+    if config.include:
+        raise DataError(
+            f"data error: data.include names folders of a folder corpus, and {path} is a file. Point --data at a "
+            "folder, or drop data.include."
+        )
     return _load_file(path, config)
+
+
+def load_parts(config: DataConfig, context: int) -> dict[str, np.ndarray]:
+    """The validation bytes of each folder in ``data.eval_parts`` and of all of them together (under "all")."""
+    if not config.eval_parts:
+        return {}
+    parts = {part: load_corpus(config.model_copy(update={"include": [part]})).val for part in config.eval_parts}
+    parts["all"] = load_corpus(config.model_copy(update={"include": config.eval_parts})).val
+    for part, val in parts.items():
+        if len(val) < context + 1:
+            raise DataError(
+                f"data error: the validation split of data.eval_parts {part!r} has {len(val)} bytes, fewer than one "
+                f"window of model.context + 1 = {context + 1} bytes. Name a larger folder in data.eval_parts."
+            )
+    return parts
 
 
 def _load_file(path: Path, config: DataConfig) -> Corpus:
@@ -127,6 +147,16 @@ def _list_files(root: Path, suffixes: tuple[str, ...] | None) -> list[Path]:
 
 def _load_folder(root: Path, config: DataConfig, suffixes: tuple[str, ...] | None, label: str) -> Corpus:
     files = _list_files(root, suffixes)
+    if config.include:
+        for folder in config.include:
+            if not (root / folder).is_dir() or Path(folder).is_absolute() or ".." in Path(folder).parts:
+                raise DataError(
+                    f"data error: data.include names {folder!r}, which is not a folder inside {label} ({root}). "
+                    'Name folders relative to the corpus, such as "email".'
+                )
+        wanted = tuple(Path(folder).as_posix().rstrip("/") + "/" for folder in config.include)
+        files = [f for f in files if f.relative_to(root).as_posix().startswith(wanted)]
+        label = f"{label}, only {', '.join(config.include)}"
     stats = [(f.relative_to(root).as_posix(), f.stat()) for f in files]
     key = hashlib.sha256(
         json.dumps([str(root), config.val_fraction, [(r, s.st_size, s.st_mtime_ns) for r, s in stats]]).encode()

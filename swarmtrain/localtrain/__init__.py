@@ -18,7 +18,6 @@ if TYPE_CHECKING:
     from swarmtrain.localtrain.errors import LocalTrainError as LocalTrainError
     from swarmtrain.localtrain.errors import StageFailed as StageFailed
     from swarmtrain.localtrain.trainer import LocalTrainer as LocalTrainer
-    from swarmtrain.localtrain.trainer import evaluate_bpb as evaluate_bpb
 
 # The names are listed in __all__ through _EXPORTS; the TYPE_CHECKING imports only tell type checkers about them.
 _EXPORTS = {
@@ -29,7 +28,6 @@ _EXPORTS = {
     "LocalTrainError": "swarmtrain.localtrain.errors",
     "StageFailed": "swarmtrain.localtrain.errors",
     "LocalTrainer": "swarmtrain.localtrain.trainer",
-    "evaluate_bpb": "swarmtrain.localtrain.trainer",
 }
 __all__ = sorted(_EXPORTS)
 

@@ -131,7 +131,8 @@ def _run_job(
 
     from swarmtrain.data import load_corpus
     from swarmtrain.localtrain.errors import LocalTrainError
-    from swarmtrain.localtrain.trainer import LocalTrainer, evaluate_bpb
+    from swarmtrain.localtrain.trainer import LocalTrainer
+    from swarmtrain.train.trainer import evaluate_bpb
 
     result = RunResult(method=lt.method, seed=config.train.seed, zygote=server is not None)
     try:
@@ -155,7 +156,7 @@ def _run_job(
             result.breakdown = trainer.breakdown()
             model = trainer.model
         # Evaluate after the stages are gone, so that evaluation does not add to the training peak.
-        result.bpb = evaluate_bpb(model, corpus, config)
+        result.bpb = evaluate_bpb(model, corpus.val, config)
     except BaseException as exc:  # reported to the parent, which prints it with the table
         result.error = f"{type(exc).__name__}: {exc}"
         result.breakdown = {"traceback": traceback.format_exc()}

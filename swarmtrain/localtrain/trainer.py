@@ -15,19 +15,19 @@ calls ``set_horizon(step + H)`` at the start of a round so the async pipeline dr
 
 from __future__ import annotations
 
-import math
 from typing import Any, Protocol
 
+import numpy as np
 import torch
-import torch.nn.functional as F
 
 from swarmtrain.config import Config
-from swarmtrain.data import Corpus, eval_starts, train_batch, windows
+from swarmtrain.data import Corpus, train_batch
 from swarmtrain.localtrain.config import ASYNC_METHODS, LocalTrainConfig, check_config, total_threads
 from swarmtrain.localtrain.pipeline import PipelineEngine
 from swarmtrain.localtrain.serial import SerialEngine
 from swarmtrain.localtrain.stage import Stage, StageModule, ThreadState, local_loss, setup_threads
-from swarmtrain.model import VOCAB, ByteTransformer
+from swarmtrain.model import ByteTransformer
+from swarmtrain.train.trainer import evaluate_bpb
 
 
 class Engine(Protocol):
@@ -81,22 +81,6 @@ class GlobalEngine:
 
     def close(self) -> None:
         return None
-
-
-@torch.no_grad()
-def evaluate_bpb(model: ByteTransformer, corpus: Corpus, config: Config) -> float:
-    """Held-out bits per byte of the last exit on the fixed validation windows (as ``Trainer.evaluate``)."""
-    t, context = config.train, config.model.context
-    starts = eval_starts(corpus.val, t.eval_batches * t.batch_size, context)
-    was_training = model.training
-    model.eval()
-    total = 0.0
-    for chunk in starts.reshape(t.eval_batches, t.batch_size):
-        batch = windows(corpus.val, chunk, context)
-        logits = model(batch[:, :-1])
-        total += F.cross_entropy(logits.reshape(-1, VOCAB), batch[:, 1:].reshape(-1), reduction="sum").item()
-    model.train(was_training)
-    return total / (len(starts) * context) / math.log(2)
 
 
 class LocalTrainer:
@@ -164,8 +148,8 @@ class LocalTrainer:
         """The whole model with every stage's current parameters (async: needs a drained pipeline)."""
         return self.engine.gathered_model()
 
-    def evaluate(self) -> float:
-        return evaluate_bpb(self.model, self.corpus, self.config)
+    def evaluate(self, val: np.ndarray | None = None) -> float:
+        return evaluate_bpb(self.model, self.corpus.val if val is None else val, self.config)
 
     def state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         """Model tensors (named as ``Trainer.state`` names them) and metadata; optimizer states stay in the stages."""

@@ -23,6 +23,7 @@ import time
 from abc import ABC, abstractmethod
 from typing import Any
 
+import numpy as np
 import torch
 from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
@@ -78,10 +79,10 @@ class InnerLoop(ABC):
         with self._busy:
             self._load_vector(theta)
 
-    def evaluate(self) -> float:
-        """Held-out bits per byte of the current model."""
+    def evaluate(self, val: np.ndarray | None = None) -> float:
+        """Held-out bits per byte of the current model (on the validation bytes ``val``, else its corpus's)."""
         with self._busy:
-            return self._evaluate()
+            return self._evaluate(val)
 
     def interrupt(self) -> None:
         """Make a running ``run`` return after its current step, without waiting (safe from any thread)."""
@@ -121,7 +122,7 @@ class InnerLoop(ABC):
     def _load_vector(self, theta: torch.Tensor) -> None: ...
 
     @abstractmethod
-    def _evaluate(self) -> float: ...
+    def _evaluate(self, val: np.ndarray | None) -> float: ...
 
 
 class StandardLoop(InnerLoop):
@@ -148,8 +149,8 @@ class StandardLoop(InnerLoop):
             on_device = theta.detach().to(self.trainer.device, torch.float32, copy=True)
             vector_to_parameters(on_device, self.trainer.model.parameters())
 
-    def _evaluate(self) -> float:
-        return self.trainer.evaluate()
+    def _evaluate(self, val: np.ndarray | None) -> float:
+        return self.trainer.evaluate(val)
 
     def state(self, theta_g: torch.Tensor) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         return self.trainer.state()  # the local model and AdamW: what `swarmtrain train` resumes from
@@ -209,8 +210,8 @@ class LocalTrainLoop(InnerLoop):
         state = {name: part.view(shape) for (name, shape), part in zip(self.layout, parts, strict=True)}
         self.trainer.load_model_state(state)
 
-    def _evaluate(self) -> float:
-        return self.trainer.evaluate()
+    def _evaluate(self, val: np.ndarray | None) -> float:
+        return self.trainer.evaluate(val)
 
     def state(self, theta_g: torch.Tensor) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         # theta_g, not the stages' parameters: after a round they are equal, and in the middle of one (Ctrl+C)

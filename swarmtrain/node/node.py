@@ -40,7 +40,7 @@ from swarmtrain.averaging.attack import FORGED_AHEAD, Attack
 from swarmtrain.averaging.robust import parse_aggregator
 from swarmtrain.compression import get_codec
 from swarmtrain.config import Config, write_resolved
-from swarmtrain.data import load_corpus
+from swarmtrain.data import load_corpus, load_parts
 from swarmtrain.dht import Membership, PeerRecord, ban_table, load_identity_key, record_validators
 from swarmtrain.dht.membership import MAX_COUNT, MAX_LOSS, NOT_IN_STEP
 from swarmtrain.errors import CheckpointError, SwarmtrainError
@@ -140,6 +140,7 @@ class Node:
         # Ctrl+C: contribute what this round has, finish it, then leave (the request; the node's phase turns
         # LEAVING when it stops taking rounds, see ``Lifecycle``).
         self.leaving = False
+        self.parts: dict[str, Any] = {}  # data.eval_parts: validation bytes of each part and "all" (load_parts)
         self._trainer: InnerLoop | None = None
         self._averager: Averager | None = None
         self._last_group: tuple[str, ...] = ()  # the members of my last round with others
@@ -163,6 +164,7 @@ class Node:
         config, node, avg = self.config, self.config.node, self.config.averaging
         corpus = load_corpus(config.data)
         corpus.check_context(config.model.context)
+        self.parts = load_parts(config.data, config.model.context)  # data.eval_parts, for the final evaluation
         checkpoint = open_run_dir(config, self.resume)  # before anything is written to the run directory
         codec_up, codec_down = get_codec(avg.codec), get_codec(avg.codec_down or avg.codec)
         attack = _hostile(config, node.data_seed or 0)
@@ -567,9 +569,16 @@ class Node:
             averager.lifecycle.advance(Event.LEAVE)
             self.status.set(NodeState.LEAVING, f"left after round {averager.round - 1}")
         bpb = await asyncio.to_thread(trainer.evaluate)
-        self._append({"kind": "final", "peer_id": averager.me, "round": averager.round, "bpb": bpb,
-                      "elapsed_s": round(time.perf_counter() - started, 3), "tokens": trainer.tokens})  # fmt: skip
-        print(f"node {averager.me[-8:]}: {averager.round} rounds, held-out bpb {bpb:.3f}", flush=True)
+        final = {"kind": "final", "peer_id": averager.me, "round": averager.round, "bpb": bpb,
+                 "elapsed_s": round(time.perf_counter() - started, 3), "tokens": trainer.tokens}  # fmt: skip
+        on_parts = ""
+        if self.parts:  # data.eval_parts: the same model on each part's held-out text and on all of them
+            final["bpb_parts"] = {
+                name: await asyncio.to_thread(trainer.evaluate, val) for name, val in self.parts.items()
+            }
+            on_parts = " (" + ", ".join(f"{name} {v:.3f}" for name, v in final["bpb_parts"].items()) + ")"
+        self._append(final)
+        print(f"node {averager.me[-8:]}: {averager.round} rounds, held-out bpb {bpb:.3f}{on_parts}", flush=True)
 
     async def _finish(self, trainer: InnerLoop, averager: Averager, membership: Membership, last_inner: float) -> None:
         """The end of a run of fixed length (``--rounds``), so the swarm ends it holding one model.

@@ -66,10 +66,11 @@ def summarize(run: dict[str, Any], events: list[dict[str, Any]], rows: list[dict
     rounds = [r for r in rows if r["kind"] == "round"]
     wall = run["ended"] - run["started"]
     last = {life["node"]: life["incarnation"] for life in run["nodes"]}
-    finals = {  # each node's last process: the one the scenario ends with
-        label(r["node"], r["incarnation"]): r["bpb"] for r in rows
-        if r["kind"] == "final" and r["incarnation"] == last[r["node"]] and r["bpb"] is not None
-    }  # fmt: skip
+    last_rows = [  # each node's last process: the one the scenario ends with
+        r for r in rows if r["kind"] == "final" and r["incarnation"] == last[r["node"]] and r["bpb"] is not None
+    ]
+    finals = {label(r["node"], r["incarnation"]): r["bpb"] for r in last_rows}
+    parts = {label(r["node"], r["incarnation"]): r["bpb_parts"] for r in last_rows if r.get("bpb_parts")}
     outcomes = round_outcomes(rows)
     per_node = []
     for life in run["nodes"]:
@@ -102,6 +103,8 @@ def summarize(run: dict[str, Any], events: list[dict[str, Any]], rows: list[dict
         "wall_s": round(wall, 3),
         "final_bpb": {k: finals[k] for k in sorted(finals)},
         "final_bpb_mean": statistics.fmean(finals.values()) if finals else None,
+        "final_bpb_parts": {k: parts[k] for k in sorted(parts)},  # data.eval_parts: each part and "all"
+        "final_bpb_parts_mean": parts_mean(parts),
         "tokens": sum(r["tokens"] for r in rounds),
         "bytes_sent": sum(r["bytes_sent"] for r in rounds),
         "rounds": len(outcomes),
@@ -113,6 +116,12 @@ def summarize(run: dict[str, Any], events: list[dict[str, Any]], rows: list[dict
         "joiners": joiners,
         "events": [e for e in events if e["action"] in ("join", "leave", "kill", "pause", "resume", "stop")],
     }
+
+
+def parts_mean(parts: dict[str, dict[str, float]]) -> dict[str, float]:
+    """Per part (data.eval_parts), the mean over the nodes' final models of their held-out bpb on it."""
+    names = list(next(iter(parts.values()), {}))
+    return {name: statistics.fmean(p[name] for p in parts.values() if name in p) for name in names}
 
 
 def markdown(summary: dict[str, Any], spec_name: str, phases: bool) -> str:
@@ -139,6 +148,13 @@ def markdown(summary: dict[str, Any], spec_name: str, phases: bool) -> str:
             f"| {n['node']} | {n['rounds']} | {n['tokens']:,} | {n['bytes_sent']:,} | {n['lived_s']:.1f} | "
             f"{n['inner_s']:.1f} | {n['utilisation']:.1%} | {n['exit_code']} | {final} |"
         )
+    if s["final_bpb_parts"]:
+        names = list(s["final_bpb_parts_mean"])
+        lines += ["", '## Held-out bpb by part (data.eval_parts; "all": the parts together)', ""]
+        lines += [f"| node | {' | '.join(names)} |", "|---" * (len(names) + 1) + "|"]
+        for node, bpbs in s["final_bpb_parts"].items():
+            lines.append(f"| {node} | " + " | ".join(f"{bpbs[n]:.4f}" if n in bpbs else "-" for n in names) + " |")
+        lines.append("| mean | " + " | ".join(f"{s['final_bpb_parts_mean'][n]:.4f}" for n in names) + " |")
     if s["joiners"]:
         lines += [
             "",

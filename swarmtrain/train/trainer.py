@@ -16,6 +16,7 @@ import math
 import os
 from typing import Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -34,6 +35,22 @@ def configure_threads(threads: int) -> int:
     return count
 
 
+@torch.no_grad()
+def evaluate_bpb(model: ByteTransformer, val: np.ndarray, config: Config, device: torch.device | None = None) -> float:
+    """Held-out bits per byte of ``model`` on the same windows of the validation bytes ``val`` every time."""
+    t, context = config.train, config.model.context
+    starts = eval_starts(val, t.eval_batches * t.batch_size, context)
+    was_training = model.training
+    model.eval()
+    total = 0.0
+    for chunk in starts.reshape(t.eval_batches, t.batch_size):
+        batch = windows(val, chunk, context).to(device or "cpu")
+        logits = model(batch[:, :-1])
+        total += F.cross_entropy(logits.reshape(-1, VOCAB), batch[:, 1:].reshape(-1), reduction="sum").item()
+    model.train(was_training)
+    return total / (len(starts) * context) / math.log(2)
+
+
 class Trainer:
     def __init__(self, config: Config, corpus: Corpus, data_seed: int | None = None) -> None:
         corpus.check_context(config.model.context)
@@ -49,7 +66,6 @@ class Trainer:
         self.data_seed = config.train.seed if data_seed is None else data_seed
         self.step = 0
         self.tokens = 0
-        self._eval_starts = eval_starts(corpus.val, t.eval_batches * t.batch_size, config.model.context)
 
     def lr_at(self, step: int) -> float:
         """Linear warm-up, then cosine decay to ``lr * min_lr_ratio`` at ``max_steps``."""
@@ -78,17 +94,9 @@ class Trainer:
         self.tokens += batch.shape[0] * context
         return loss.item()
 
-    @torch.no_grad()
-    def evaluate(self) -> float:
-        """Held-out bits per byte on the fixed validation windows."""
-        t, context = self.config.train, self.config.model.context
-        self.model.eval()
-        total = 0.0
-        for chunk in self._eval_starts.reshape(t.eval_batches, t.batch_size):
-            batch = windows(self.corpus.val, chunk, context).to(self.device)
-            logits = self.model(batch[:, :-1])
-            total += F.cross_entropy(logits.reshape(-1, VOCAB), batch[:, 1:].reshape(-1), reduction="sum").item()
-        return total / (len(self._eval_starts) * context) / math.log(2)
+    def evaluate(self, val: np.ndarray | None = None) -> float:
+        """Held-out bits per byte on the fixed validation windows (of ``val``, else of the corpus)."""
+        return evaluate_bpb(self.model, self.corpus.val if val is None else val, self.config, self.device)
 
     def state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         """Everything needed to continue this run bit for bit: named tensors and JSON metadata."""
