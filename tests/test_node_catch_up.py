@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -11,6 +12,7 @@ from typing import Any
 import pytest
 
 from swarmtrain.averaging import PROTOCOL_VERSION, leader_candidates
+from swarmtrain.averaging.round import Phase
 from swarmtrain.dht.membership import PeerRecord
 from swarmtrain.node.node import SETTLE_WAIT_S, Node
 from tests.conftest import tiny_config
@@ -120,3 +122,32 @@ def test_a_node_that_every_peer_is_behind_trains_on_after_a_few_heartbeats(node:
     started = time.monotonic()
     asyncio.run(node._catch_up_until(averager, membership, None, started + SETTLE_WAIT_S + 6))  # type: ignore[arg-type]
     assert time.monotonic() - started >= SETTLE_WAIT_S + 6 and [str(e) for e in events] == ["no_donor"], events
+
+
+def test_a_node_that_catches_up_with_the_swarms_final_state_finishes_without_another_round(
+    tmp_path: Path, text_file: Path
+) -> None:
+    """Found in the churn lab: a node left out of round 4 of 6 caught up with the state the swarm had after its last
+    round, then trained a seventh round and waited about 90 s for a group that no one would form."""
+    node = Node(tiny_config(tmp_path, text_file, **{"node.rounds": 6}))
+    lifecycle = SimpleNamespace(phase=Phase.CATCH_UP, advance=lambda _: None)
+    averager = SimpleNamespace(me=PEERS[0], round=5, lifecycle=lifecycle, outer=SimpleNamespace(digest=lambda: "d"))
+    finished: list[int] = []
+
+    async def catch_up(*_: Any, **__: Any) -> None:
+        averager.round, lifecycle.phase = 6, Phase.OBSERVE  # the swarm's final state: round 6 done
+
+    async def finish(_trainer: Any, averager: Any, *_: Any) -> None:
+        finished.append(averager.round)
+
+    async def publish() -> None:  # what a node does once it has trained (or sat in on) a round, to average it
+        raise AssertionError("went on to a round past the end of the run")
+
+    node._catch_up, node._finish = catch_up, finish  # type: ignore[method-assign]
+    trainer = SimpleNamespace(evaluate=lambda: 5.0, tokens=0)
+    membership = SimpleNamespace(record=SimpleNamespace(round=6), update=lambda **_: None, publish=publish)
+    node.run_dir.mkdir(parents=True)
+    asyncio.run(node._train(trainer, averager, membership, None))  # type: ignore[arg-type]
+    assert finished == [6]
+    final = [json.loads(line) for line in node.metrics_path.read_text().splitlines()][-1]
+    assert final["kind"] == "final" and final["round"] == 6

@@ -477,6 +477,8 @@ class Node:
                 break
             if averager.lifecycle.phase is Phase.CATCH_UP:
                 await self._catch_up(averager, membership, trainer, wait_s=max(30.0, 4 * last_inner))
+                if node.rounds and averager.round >= node.rounds:
+                    break  # caught up with the swarm's final state: a round more would wait for a group in vain
             if membership.record.round != averager.round:  # caught up, or a round failed: no round just done
                 membership.update(loss=None, bpb=None, bytes_sent=0)
             membership.update(round=averager.round, phase="training")
