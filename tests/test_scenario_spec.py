@@ -142,14 +142,16 @@ def test_links_default_from_swarm_a_node_overrides_them_and_a_link_event_carries
     spec = parse_spec(
         "[swarm]\nnodes = 2\nrounds = 3\nlink = { up_mbit = 100, down_mbit = 50 }\n"
         "[nodes.node1]\nlink = { up_mbit = 2 }\n"
-        '[[event]]\nat_s = 3\naction = "link"\nnodes = ["node0"]\ndown_mbit = 10\n'
+        '[[event]]\nat_s = 3\naction = "link"\nnodes = ["node0"]\ndown_mbit = 10\ndown_loss = 0.02\n'
         '[[repeat]]\naction = "partition"\nnodes = "random"\nevery_s = 5\nback_after_s = 2\n'
     )
     assert [(n.up_mbit, n.down_mbit) for n in spec.nodes] == [(100.0, 50.0), (2.0, None)]
     assert [(n.up_ms, n.down_ms) for n in spec.nodes] == [(0.0, 0.0), (0.0, 0.0)]
     (event,) = spec.events
-    assert (event.up_mbit, event.down_mbit) == (None, 10.0) and spec.shaped
+    assert (event.up_mbit, event.down_mbit, event.up_loss, event.down_loss) == (None, 10.0, 0.0, 0.02) and spec.shaped
     assert not parse_spec("[swarm]\nnodes = 2\nrounds = 3\n").shaped
+    lossy = parse_spec("[swarm]\nnodes = 2\nrounds = 3\n[nodes.node1]\nlink = { up_loss = 0.01 }\n")
+    assert [(n.up_loss, n.down_loss) for n in lossy.nodes] == [(0.0, 0.0), (0.01, 0.0)] and lossy.shaped
 
 
 def test_link_delays_reach_each_node_as_its_transport_delays(tmp_path: Path) -> None:
@@ -170,7 +172,8 @@ def test_link_delays_reach_each_node_as_its_transport_delays(tmp_path: Path) -> 
     ("text", "expected"),
     [
         ("link = { up_mbit = 100, latency_ms = 50 }", "bad.toml:4: swarm.link.latency_ms: is set per direction"),
-        ("link = { up_mbit = 100, loss = 0.01 }", "bad.toml:4: swarm.link.loss: is not supported"),
+        ("link = { up_mbit = 100, loss = 0.01 }", "bad.toml:4: swarm.link.loss: is set per direction: up_loss"),
+        ("link = { up_loss = 1 }", "bad.toml:4: swarm.link.up_loss: must be a share of packets from 0 up to 1"),
         ("link = { up_ms = -1 }", "bad.toml:4: swarm.link.up_ms: must be 0 to 10000 ms"),
         (
             '[[event]]\nat_s = 1\naction = "link"\nnodes = ["node0"]\nup_ms = 5',
@@ -179,7 +182,7 @@ def test_link_delays_reach_each_node_as_its_transport_delays(tmp_path: Path) -> 
         ("link = { up_mbit = 0 }", "bad.toml:4: swarm.link.up_mbit: must be positive Mbit/s"),
         (
             "link = { up = 1 }",
-            "bad.toml:4: swarm.link.up: is not a known key. The keys of swarm.link are: up_mbit, down_mbit, up_ms,",
+            "bad.toml:4: swarm.link.up: is not a known key. The keys of swarm.link are: up_mbit, down_mbit, up_loss,",
         ),
         ('[[event]]\nat_s = 1\naction = "kill"\nnodes = ["node0"]\nup_mbit = 5', "bad.toml:8: event[0].up_mbit: only"),
     ],

@@ -8,8 +8,9 @@ host end sits on a bridge that also carries the bootstrap peer's address. A toke
 shapes what it sends (uplink), one on the host end what it receives (downlink). A ``link`` event replaces them, a
 ``partition`` moves the listed nodes' host ends onto a second bridge (they still reach each other, not the rest),
 and ``heal`` moves them back. Needs root and the ``ip``/``tc`` tools. The kernel's ``netem`` (latency, loss) is not
-available on the machines this was built on: a link's delay (up_ms, down_ms) is added by the node's own transport
-(node.up_delay_ms, node.down_delay_ms), and loss cannot be set.
+available on the machines this was built on: a link's loss (up_loss, down_loss) is dropped by a small eBPF
+classifier on the host end (``bpf.py``; ingress for what the node sends, egress for what it receives), and its
+delay (up_ms, down_ms) is added by the node's own transport (node.up_delay_ms, node.down_delay_ms).
 
 Every name carries a short id of the run, and ``close`` deletes every namespace, veth and bridge it created.
 """
@@ -23,6 +24,7 @@ import shutil
 import subprocess
 from dataclasses import dataclass
 
+from swarmtrain.scenarios.bpf import pinned_drop
 from swarmtrain.scenarios.spec import ScenarioError
 
 BURST_S = 0.004  # tbf bucket: 4 ms of the rate (at least 16 KiB), so a burst cannot hide the rate for long
@@ -59,12 +61,23 @@ def _tbf(dev: str, mbit: float | None, ns: str | None) -> None:
         "limit", str(limit), ns=ns)  # fmt: skip
 
 
+def _drop(dev: str, hook: str, loss: float) -> None:
+    """Drop ``loss`` of the packets at ``dev``'s ingress or egress hook (0: none); replaces what was there."""
+    _ip("tc", "qdisc", "replace", "dev", dev, "clsact")
+    with contextlib.suppress(ScenarioError):  # no filter of ours yet: nothing to remove
+        _ip("tc", "filter", "del", "dev", dev, hook)
+    if loss > 0:
+        with pinned_drop(loss) as path:
+            _ip("tc", "filter", "add", "dev", dev, hook, "bpf", "da", "object-pinned", path)
+
+
 @dataclass(slots=True)
 class Link:
     namespace: str
     address: str
     node_dev: str
     host_dev: str
+    lossy: bool = False  # a drop filter is attached (a link event to loss 0 removes it)
 
 
 class Network:
@@ -88,8 +101,11 @@ class Network:
             self.close()
             raise
 
-    def add(self, name: str, up_mbit: float | None, down_mbit: float | None) -> Link:
-        """A namespace for node ``name`` with its own address on the bridge, shaped as given (None: unlimited)."""
+    def add(
+        self, name: str, up_mbit: float | None, down_mbit: float | None, up_loss: float = 0.0, down_loss: float = 0.0
+    ) -> Link:
+        """A namespace for node ``name`` with its own address on the bridge, shaped as given (rates: None is
+        unlimited; losses: the share of packets dropped)."""
         index = len(self.links) + 2
         if index > 250:
             raise ScenarioError("scenario error: at most 249 nodes can have a namespace of their own")
@@ -107,13 +123,19 @@ class Network:
         _ip("ip", "link", "set", "lo", "up", ns=ns)
         link = Link(ns, address, node_dev, host_dev)
         self.links[name] = link
-        self.shape(name, up_mbit, down_mbit)
+        self.shape(name, up_mbit, down_mbit, up_loss, down_loss)
         return link
 
-    def shape(self, name: str, up_mbit: float | None, down_mbit: float | None) -> None:
+    def shape(
+        self, name: str, up_mbit: float | None, down_mbit: float | None, up_loss: float = 0.0, down_loss: float = 0.0
+    ) -> None:
         link = self.links[name]
         _tbf(link.node_dev, up_mbit, link.namespace)  # what the node sends
         _tbf(link.host_dev, down_mbit, None)  # what it receives
+        if up_loss or down_loss or link.lossy:
+            _drop(link.host_dev, "ingress", up_loss)  # what the node sent, as it reaches the bridge
+            _drop(link.host_dev, "egress", down_loss)
+            link.lossy = bool(up_loss or down_loss)
 
     def partition(self, names: list[str], cut: bool) -> None:
         """Move the nodes' host ends onto the cut bridge (they reach only each other) or back."""

@@ -25,7 +25,7 @@ from typing import Any, TextIO
 
 from swarmtrain.scenarios.links import Network
 from swarmtrain.scenarios.procs import Processes
-from swarmtrain.scenarios.spec import NETWORK_ACTIONS, Scenario, ScenarioError
+from swarmtrain.scenarios.spec import LINK_KEYS, NETWORK_ACTIONS, Scenario, ScenarioError
 from swarmtrain.scenarios.timeline import Firing, Timeline
 
 POLL_S = 0.5
@@ -158,8 +158,8 @@ class Runner:
         self.record("start", name, run_dir=where, pid=proc.pid, initial=initial, incarnation=number)
 
     @staticmethod
-    def rates(firing: Firing) -> dict[str, float | None]:
-        return dict(zip(("up_mbit", "down_mbit"), firing.rates, strict=True)) if firing.action == "link" else {}
+    def link(firing: Firing) -> dict[str, float | None]:
+        return dict(zip(LINK_KEYS, firing.link, strict=True)) if firing.action == "link" else {}
 
     def current(self, name: str) -> Incarnation:
         return self.lives[name][-1]
@@ -185,10 +185,10 @@ class Runner:
         if firing.action in NETWORK_ACTIONS:
             assert self.net is not None  # Scenario.shaped holds for any network event
             if firing.action == "link":
-                self.net.shape(name, *firing.rates)
+                self.net.shape(name, *firing.link)
             else:
                 self.net.partition([name], cut=firing.action == "partition")
-        self.record(firing.action, name, source=firing.source, **self.rates(firing))
+        self.record(firing.action, name, source=firing.source, **self.link(firing))
         self.say(f"{firing.action} {name} ({firing.source})")
 
     # ---- the loop ---------------------------------------------------------------------------------------------
@@ -237,8 +237,9 @@ class Runner:
             if spec.shaped:
                 self.net = Network()
                 for node in spec.nodes:
-                    self.net.add(node.name, node.up_mbit, node.down_mbit)
-                    self.record("link", node.name, up_mbit=node.up_mbit, down_mbit=node.down_mbit)
+                    shape = {k: getattr(node, k) for k in LINK_KEYS}
+                    self.net.add(node.name, **shape)
+                    self.record("link", node.name, **shape)
             self.start_bootstrap()
             for node in spec.nodes:
                 if node.start:

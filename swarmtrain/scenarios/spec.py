@@ -53,8 +53,9 @@ from swarmtrain.errors import SwarmtrainError
 Action = Literal["join", "leave", "kill", "pause", "resume", "link", "partition", "heal"]
 ACTIONS: tuple[str, ...] = ("join", "leave", "kill", "pause", "resume", "link", "partition", "heal")
 NETWORK_ACTIONS = ("link", "partition", "heal")  # need link shaping (a namespace per node; see links.py)
-LINK_KEYS = ("up_mbit", "down_mbit")
-DELAY_KEYS = ("up_ms", "down_ms")  # the node's own transport adds them (node.up_delay_ms); links.py shapes rates
+RATE_KEYS, LOSS_KEYS = ("up_mbit", "down_mbit"), ("up_loss", "down_loss")
+LINK_KEYS = (*RATE_KEYS, *LOSS_KEYS)  # shaped by the kernel (links.py): a link event changes them
+DELAY_KEYS = ("up_ms", "down_ms")  # the node's own transport adds them (node.up_delay_ms), fixed at its start
 BACK = {"kill": "join", "leave": "join", "pause": "resume", "partition": "heal"}  # what brings a node back
 
 # Keys the runner sets for each node process; a spec that sets them would fight it.
@@ -83,6 +84,10 @@ class NodeSpec:
     """Rate of what the node sends, Mbit/s (None: unlimited)."""
     down_mbit: float | None = None
     """Rate of what the node receives, Mbit/s (None: unlimited)."""
+    up_loss: float = 0.0
+    """Share of the packets the node sends that its link drops."""
+    down_loss: float = 0.0
+    """Share of the packets sent to the node that its link drops."""
     up_ms: float = 0.0
     """Delay of each message the node sends, ms: a message from A to B is late by A's up_ms plus B's down_ms."""
     down_ms: float = 0.0
@@ -102,6 +107,10 @@ class Event:
     """A link event's new uplink rate (None: unlimited)."""
     down_mbit: float | None = None
     """A link event's new downlink rate (None: unlimited)."""
+    up_loss: float = 0.0
+    """A link event's new share of uplink packets dropped."""
+    down_loss: float = 0.0
+    """A link event's new share of downlink packets dropped."""
     line: int = 0
     """Line of the event in the spec, for messages."""
 
@@ -139,7 +148,7 @@ class Scenario:
     @property
     def shaped(self) -> bool:
         """Whether the nodes need namespaces of their own: some link is limited or changes, or a partition."""
-        limited = any(n.up_mbit is not None or n.down_mbit is not None for n in self.nodes)
+        limited = any(n.up_mbit is not None or n.down_mbit is not None or n.up_loss or n.down_loss for n in self.nodes)
         return limited or any(e.action in NETWORK_ACTIONS for e in [*self.events, *self.repeats])
 
     def node(self, name: str) -> NodeSpec:
@@ -278,20 +287,24 @@ class _Parser:
             raise self.fail(line, f"{name}.latency_ms", "is set per direction: up_ms delays what the node sends, "
                             "down_ms what it receives (A to B: A's up_ms plus B's down_ms).")  # fmt: skip
         if "loss" in table:
-            raise self.fail(line, f"{name}.loss", "is not supported: this kernel has no netem to drop packets, and "
-                            "losses made up above TCP would not behave as TCP's do; remove it.")  # fmt: skip
+            raise self.fail(line, f"{name}.loss", "is set per direction: up_loss drops a share of what the node "
+                            "sends, down_loss of what it receives (0.01: one packet in a hundred).")  # fmt: skip
         self.unknown(table, (*LINK_KEYS, *DELAY_KEYS), name, lambda k: line)
-        rates = {k: self.take(table, name, k, (int, float), line) for k in LINK_KEYS}
+        rates = {k: self.take(table, name, k, (int, float), line) for k in RATE_KEYS}
         for key, value in rates.items():
             if value is not None and value <= 0:
                 raise self.fail(line, f"{name}.{key}", "must be positive Mbit/s (leave it out for an unlimited link).")
+        losses = {k: self.take(table, name, k, (int, float), line) or 0.0 for k in LOSS_KEYS}
+        for key, value in losses.items():
+            if not 0 <= value < 1:
+                raise self.fail(line, f"{name}.{key}", "must be a share of packets from 0 up to 1 (0.01: one in 100).")
         delays = {k: self.take(table, name, k, (int, float), line) or 0.0 for k in DELAY_KEYS}
         for key, value in delays.items():
             if not 0 <= value <= 10_000:
                 raise self.fail(line, f"{name}.{key}", "must be 0 to 10000 ms.")
         return {
             **{k: None if v is None else float(v) for k, v in rates.items()},
-            **{k: float(v) for k, v in delays.items()},
+            **{k: float(v) for k, v in {**losses, **delays}.items()},
         }
 
     def action(self, table: dict[str, Any], name: str, line: int) -> Action:
@@ -422,16 +435,16 @@ def parse_spec(text: str, path: Path | str = "<scenario>") -> Scenario:
             raise p.fail(lines("at_s" if at_s is not None else "at_round"), name, "must not be negative.")
         action = p.action(table, name, lines("action"))
         targets = p.targets(table, name, lines("nodes"), known)
-        rates = {k: None for k in LINK_KEYS}
+        shape: dict[str, float | None] = {}
         if key := next((k for k in DELAY_KEYS if k in table), None):
             raise p.fail(lines(key), f"{name}.{key}", "a node's delay is fixed when it starts (its transport adds "
                          "it): set it in the swarm's or the node's link table, not in an event.")  # fmt: skip
         if action == "link":
             link = p.link({k: table[k] for k in LINK_KEYS if k in table}, name, first)
-            rates = {k: link[k] for k in LINK_KEYS}
+            shape = {k: link[k] for k in LINK_KEYS}
         elif key := next((k for k in LINK_KEYS if k in table), None):
-            raise p.fail(lines(key), f"{name}.{key}", f"only a link event sets rates, not {action}; remove it.")
-        events.append(Event(action=action, nodes=targets, at_s=at_s, at_round=at_round, line=first, **rates))
+            raise p.fail(lines(key), f"{name}.{key}", f"only a link event sets a link, not {action}; remove it.")
+        events.append(Event(action=action, nodes=targets, at_s=at_s, at_round=at_round, line=first, **shape))
 
     repeats = []
     for i, table in enumerate(doc.get("repeat", [])):

@@ -20,7 +20,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-from swarmtrain.scenarios.spec import BACK, Action, Scenario
+from swarmtrain.scenarios.spec import BACK, LINK_KEYS, Action, Scenario
 
 STATES = ("idle", "running", "paused", "leaving", "gone")
 FROM: dict[str, tuple[str, ...]] = {
@@ -48,8 +48,9 @@ class Firing:
     """Where it came from: event[0], repeat[1] #3, or 'back from repeat[1] #3'."""
     skipped: str = ""
     """Why nothing was done, e.g. 'node1 is paused' or 'no node to kill'."""
-    rates: tuple[float | None, float | None] = (None, None)
-    """A link firing's new (uplink, downlink) Mbit/s; None is unlimited."""
+    link: tuple[float | None, ...] = ()
+    """A link firing's new link, by ``LINK_KEYS``: (uplink, downlink) Mbit/s (None: unlimited), then the shares
+    of packets dropped each way."""
 
 
 @dataclass(slots=True)
@@ -60,7 +61,7 @@ class _Pending:
     nodes: tuple[str, ...]
     source: str
     back_after: float | None = None
-    rates: tuple[float | None, float | None] = (None, None)
+    link: tuple[float | None, ...] = ()
     order: int = 0
 
 
@@ -71,7 +72,11 @@ class Timeline:
         self._added = 0
         for i, e in enumerate(spec.events):
             unit, at = ("s", e.at_s) if e.at_s is not None else ("round", e.at_round)
-            self._add(_Pending(unit, float(at), e.action, e.nodes, f"event[{i}]", rates=(e.up_mbit, e.down_mbit)))
+            self._add(
+                _Pending(
+                    unit, float(at), e.action, e.nodes, f"event[{i}]", link=tuple(getattr(e, k) for k in LINK_KEYS)
+                )
+            )
         for i, r in enumerate(spec.repeats):
             unit, every = ("round", r.every_rounds) if r.every_rounds is not None else ("s", r.every_s)
             assert every is not None
@@ -134,4 +139,4 @@ class Timeline:
         if state not in FROM[p.action]:
             return Firing(p.action, None, p.source, f"{node} is {state}, cannot {p.action} it")
         states[node] = TO.get(p.action, state)
-        return Firing(p.action, node, p.source, rates=p.rates)
+        return Firing(p.action, node, p.source, link=p.link)
