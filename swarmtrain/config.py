@@ -171,6 +171,9 @@ class NodeConfig(_Section):
     inner_time_s: float = Field(0.0, ge=0.0)
     """Rounds by time: train this many seconds per round (at least one step) and contribute the tokens done,
     so fast and slow nodes share rounds without waiting; 0 means node.inner_steps steps per round."""
+    slowdown: float = Field(1.0, ge=1.0, le=1000.0)
+    """Make each inner step take this many times as long (it sleeps the rest), to try a slower machine on this
+    one (a scenario's unlike machines); 1: full speed."""
     test_step_delay_s: float = Field(0.0, ge=0.0)
     """For tests only: sleep this long after each inner step, to simulate a slow machine. 0 (the default)."""
     rounds: int = Field(0, ge=0)

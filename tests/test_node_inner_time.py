@@ -3,8 +3,15 @@
 
 from __future__ import annotations
 
+import time
+from pathlib import Path
+
 import pytest
 
+from swarmtrain.data import load_corpus
+from swarmtrain.node.inner import StandardLoop
+
+from .conftest import tiny_config
 from .swarm import Swarm
 
 
@@ -40,3 +47,18 @@ def test_nodes_of_unlike_speed_share_rounds_by_time_and_weigh_by_tokens(swarm: S
         slow, fast = rows["slow"]["tokens"], min(rows["fast0"]["tokens"], rows["fast1"]["tokens"])
         # At most 2 s / 0.25 s + 1 = 9 steps for the slow node; the others step without sleeping.
         assert slow < fast / 2, (round_, {n: r["tokens"] for n, r in rows.items()})
+
+
+def test_a_slowdown_makes_each_inner_step_take_that_many_times_as_long(tmp_path: Path, text_file: Path) -> None:
+    """node.slowdown: an unlike machine on this one. Each step here computes for 50 ms (a sleep, so that the test
+    does not depend on the machine's load); at slowdown 3 four steps take 600 ms, not 200."""
+
+    class Fixed(StandardLoop):
+        def _step(self) -> float:
+            time.sleep(0.05)
+            return 1.0
+
+    loop = Fixed(tiny_config(tmp_path, text_file), load_corpus(tiny_config(tmp_path, text_file).data), data_seed=1)
+    _, _, full = loop.run(4)
+    _, _, slow = loop.run(4, slowdown=3.0)
+    assert full >= 0.2 and 3 * 0.2 <= slow <= 3 * full + 0.3, (full, slow)  # each step's time, twice more

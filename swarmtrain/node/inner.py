@@ -52,10 +52,13 @@ class InnerLoop(ABC):
     def tokens(self) -> int:
         """Tokens trained on so far."""
 
-    def run(self, steps: int, time_s: float = 0.0, step_delay_s: float = 0.0) -> tuple[float, int, float]:
+    def run(
+        self, steps: int, time_s: float = 0.0, step_delay_s: float = 0.0, slowdown: float = 1.0
+    ) -> tuple[float, int, float]:
         """``steps`` inner steps, or with ``time_s`` > 0 as many as start within ``time_s`` seconds (at least
-        one), fewer if stopped; returns the mean loss, the tokens and the seconds they took. ``step_delay_s``
-        sleeps after each step (``node.test_step_delay_s``: tests simulate a slow machine with it)."""
+        one), fewer if stopped; returns the mean loss, the tokens and the seconds they took. A slower machine on
+        this one: ``slowdown`` makes each step take that many times as long (``node.slowdown``), and
+        ``step_delay_s`` sleeps after each step (``node.test_step_delay_s``: a fixed delay, for tests)."""
         with self._busy:
             started, tokens0, losses = time.perf_counter(), self.tokens, []
             if not self._stopping.is_set():
@@ -63,9 +66,11 @@ class InnerLoop(ABC):
             while time_s > 0 or len(losses) < steps:
                 if self._stopping.is_set() or (losses and time_s > 0 and time.perf_counter() - started >= time_s):
                     break
+                step_started = time.perf_counter()
                 losses.append(self._step())
-                if step_delay_s:
-                    time.sleep(step_delay_s)
+                delay = step_delay_s + (slowdown - 1) * (time.perf_counter() - step_started)
+                if delay > 0:
+                    time.sleep(delay)
             loss = sum(losses) / len(losses) if losses else float("nan")
             return loss, self.tokens - tokens0, time.perf_counter() - started
 

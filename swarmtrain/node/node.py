@@ -492,7 +492,7 @@ class Node:
                 if not self.leaving:
                     self.status.set(NodeState.TRAINING, f"inner steps of round {averager.round}")
                 loss, tokens, inner_s = await asyncio.to_thread(
-                    trainer.run, node.inner_steps, node.inner_time_s, node.test_step_delay_s
+                    trainer.run, node.inner_steps, node.inner_time_s, node.test_step_delay_s, node.slowdown
                 )
                 last_inner = inner_s
                 if not self.leaving:
