@@ -42,7 +42,7 @@ def compare(folders: list[Path], out: Path) -> Path:
     from swarmtrain.scenarios.plots import plt, save_loss_axes  # matplotlib (Agg) only when plotting
 
     out.mkdir(parents=True, exist_ok=True)
-    lines: list[tuple[str, str]] = []  # each run's row and its parts cell
+    lines: list[tuple[str, str]] = []  # each run's row, and its bpb by part ("" without data.eval_parts)
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.2), sharey=True)
     for folder in folders:
         if not (folder / "run.json").exists():
@@ -56,10 +56,10 @@ def compare(folders: list[Path], out: Path) -> Path:
         step = f"{statistics.median(durations):.2f}" if durations else "-"
         bpb = "-" if s["final_bpb_mean"] is None else f"{s['final_bpb_mean']:.4f}"
         outcomes = f"{s['rounds_applied']} / {s['rounds_fallback']} / {s['rounds_diverged']}"
-        parts = ", ".join(f"{name} {v:.4f}" for name, v in s["final_bpb_parts_mean"].items()) or "-"
+        parts = ", ".join(f"{name} {v:.4f}" for name, v in s["final_bpb_parts_mean"].items())
         lines.append((
             f"| {folder.name} | {bpb} | {s['wall_s']:.1f} | {s['tokens']:,} | {s['bytes_sent'] / 1e6:.1f} | "
-            f"{outcomes} | {step} | {s['utilisation']:.1%} |", f" {parts} |"
+            f"{outcomes} | {step} | {s['utilisation']:.1%} |", parts
         ))  # fmt: skip
         points = curve(run, rows)
         for ax, x in zip(axes, (0, 1, 2), strict=True):
@@ -67,13 +67,13 @@ def compare(folders: list[Path], out: Path) -> Path:
             ax.plot([p[x] / scale for p in points], [p[3] for p in points], marker=".", label=folder.name)
     save_loss_axes(fig, axes, "held-out bits per byte (mean over nodes)", out / "compare.png")
     note = "(median outer step: the outer step's duration in rounds with a group of two or more)"
-    by_part = any(parts != " - |" for _, parts in lines)  # a column only where some run has data.eval_parts
+    by_part = any(parts for _, parts in lines)  # a column only where some run has data.eval_parts
     header = [
         "| run | final bpb (mean) | wall s | tokens | MB sent | rounds applied / fallback / diverged "
         "| median outer step s | utilisation |" + (" held-out bpb by part |" if by_part else ""),
         "|---" * (9 if by_part else 8) + "|",
     ]
-    table = [row + (parts if by_part else "") for row, parts in lines]
+    table = [row + (f" {parts or '-'} |" if by_part else "") for row, parts in lines]
     text = "\n".join([*header, *table, "", note, "", "![compare](compare.png)", ""])
     (out / "compare.md").write_text(text, encoding="utf-8")
     return out / "compare.md"

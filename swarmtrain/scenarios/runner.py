@@ -124,7 +124,7 @@ class Runner:
     def node_args(self, name: str, run_dir: Path, initial: bool, resume: bool) -> list[str]:
         node = self.spec.node(name)
         settings = {**DEFAULTS, **node.settings}
-        if node.up_ms or node.down_ms:  # the node's transport delays its messages (links.py shapes rates only)
+        if node.up_ms or node.down_ms:  # the node's transport delays its messages (links.py: rates and loss)
             settings |= {"node.up_delay_ms": node.up_ms, "node.down_delay_ms": node.down_ms}
         data = settings.get("data.path")
         if isinstance(data, str) and not Path(data).is_absolute() and (self.spec.path.parent / data).exists():

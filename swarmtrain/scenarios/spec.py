@@ -279,8 +279,8 @@ class _Parser:
         return tuple(value)
 
     def link(self, table: Any, name: str, line: int) -> dict[str, float | None]:
-        """The rates and delays of a link table ({ up_mbit = 100, down_mbit = 20, up_ms = 25, down_ms = 25 }); an
-        absent rate is unlimited, an absent delay 0."""
+        """The rates, losses and delays of a link table ({ up_mbit = 100, down_mbit = 20, up_loss = 0.01,
+        up_ms = 25, down_ms = 25 }); an absent rate is unlimited, an absent loss or delay 0."""
         if not isinstance(table, dict):
             raise self.fail(line, name, "must be a table such as { up_mbit = 100, down_mbit = 20, up_ms = 25 }.")
         if "latency_ms" in table:

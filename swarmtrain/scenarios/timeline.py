@@ -72,11 +72,8 @@ class Timeline:
         self._added = 0
         for i, e in enumerate(spec.events):
             unit, at = ("s", e.at_s) if e.at_s is not None else ("round", e.at_round)
-            self._add(
-                _Pending(
-                    unit, float(at), e.action, e.nodes, f"event[{i}]", link=tuple(getattr(e, k) for k in LINK_KEYS)
-                )
-            )
+            link = tuple(getattr(e, k) for k in LINK_KEYS)
+            self._add(_Pending(unit, float(at), e.action, e.nodes, f"event[{i}]", link=link))
         for i, r in enumerate(spec.repeats):
             unit, every = ("round", r.every_rounds) if r.every_rounds is not None else ("s", r.every_s)
             assert every is not None
