@@ -152,7 +152,7 @@ def test_a_partition_cuts_nodes_off_from_the_rest_but_not_from_each_other_until_
         net.close()
 
 
-# Run inside the node's namespace: send numbered datagrams, or count the distinct ones received (until 2 s quiet).
+# Run on either side of the link: send numbered datagrams, or count the distinct ones received (until 2 s quiet).
 DATAGRAMS = """
 import socket, sys, time
 mode, host, port, count = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
@@ -162,7 +162,7 @@ if mode == "send":
         s.sendto(i.to_bytes(4, "big"), (host, port))
         time.sleep(0.0002)  # paced: no socket buffer overflows, only the link's drops
 else:
-    s.setsockopt(socket.SOL_SOCKET, 33, 8 << 20)  # SO_RCVBUFFORCE: a receiver descheduled a while drops none
+    s.setsockopt(socket.SOL_SOCKET, 33, 8 << 20)  # SO_RCVBUFFORCE (root): a receiver descheduled a while drops none
     s.bind((host, port))
     s.settimeout(2.0)
     print("ready", flush=True)
@@ -178,32 +178,14 @@ else:
 
 def _delivered(net: Network, name: str, direction: str, count: int) -> float:
     """The share of ``count`` datagrams that crossed the node's link up (it sends) or down (it receives)."""
-    peer = [*net.prefix(name), sys.executable, "-c", DATAGRAMS]
-    if direction == "up":
-        host = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-        host.setsockopt(socket.SOL_SOCKET, 33, 8 << 20)  # SO_RCVBUFFORCE (root): past rmem_max
-        host.bind((net.host_address, 0))
-        host.settimeout(2.0)
-        sender = subprocess.Popen([*peer, "send", net.host_address, str(host.getsockname()[1]), str(count)])
-        seen = set()
-        try:
-            while True:
-                seen.add(host.recv(16))
-        except OSError:
-            pass
-        finally:
-            host.close()
-            sender.wait(timeout=30)
-        return len(seen) / count
-    address = net.links[name].address
-    receiver = subprocess.Popen([*peer, "receive", address, "7001", "0"], stdout=subprocess.PIPE, text=True)
+    inside, outside = net.prefix(name), []
+    sends, receives = (inside, outside) if direction == "up" else (outside, inside)
+    to = net.host_address if direction == "up" else net.links[name].address
+    script = [sys.executable, "-c", DATAGRAMS]
+    receiver = subprocess.Popen([*receives, *script, "receive", to, "7001", "0"], stdout=subprocess.PIPE, text=True)
     try:
         assert receiver.stdout is not None and receiver.stdout.readline().strip() == "ready"
-        sender = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-        for i in range(count):
-            sender.sendto(i.to_bytes(4, "big"), (address, 7001))
-            time.sleep(0.0002)
-        sender.close()
+        subprocess.run([*sends, *script, "send", to, "7001", str(count)], check=True, timeout=60)
         return int(receiver.stdout.readline()) / count
     finally:
         receiver.kill()
