@@ -205,3 +205,27 @@ def test_each_lab_names_shipped_scenarios_and_a_lab_that_does_not_exist_is_refus
             assert load_spec(script.parent / f"{run}.toml").nodes, (lab, run)  # exists and is a valid scenario
     done = subprocess.run(["bash", str(script), "9"], capture_output=True, text=True, timeout=30)
     assert done.returncode == 2 and "usage: scenarios/lab.sh 1|2|3|5|links|noniid" in done.stderr, done
+
+
+def test_a_node_whose_data_or_folders_do_not_exist_is_refused_at_check_naming_the_key(tmp_path: Path) -> None:
+    """Checked before anything runs (a node would fail at its start): data.path, and the folders of data.include
+    and data.eval_parts inside the corpus (the standard library's source when data.path is unset)."""
+    corpus = tmp_path / "corpus"
+    (corpus / "a").mkdir(parents=True)
+    spec = tmp_path / "s.toml"
+    head = '[swarm]\nnodes = 2\nrounds = 3\ndata = "corpus"\n'
+    spec.write_text(head + '[config]\ndata.eval_parts = ["a"]\n[nodes.node1.config]\ndata.include = ["a"]\n')
+    assert [n.settings.get("data.include") for n in load_spec(spec).nodes] == [None, ["a"]]
+    for text, expected in [
+        (
+            head + '[nodes.node1.config]\ndata.include = ["b"]\n',
+            "s.toml:6: nodes.node1.config.data.include: names 'b'",
+        ),
+        (head + '[config]\ndata.eval_parts = ["a", "c"]\n', "s.toml:6: config.data.eval_parts: names 'c', which is"),
+        (head.replace('"corpus"', '"nowhere"'), "s.toml:4: swarm.data: "),
+        ('[swarm]\nnodes = 2\nrounds = 3\n[config]\ndata.include = ["no-such-package"]\n', "s.toml:5: config.data"),
+    ]:
+        spec.write_text(text)
+        with pytest.raises(ScenarioError) as info:
+            load_spec(spec)
+        assert str(info.value).startswith(f"scenario error: {spec.parent}/{expected}"), str(info.value)

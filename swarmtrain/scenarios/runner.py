@@ -25,7 +25,7 @@ from typing import Any, TextIO
 
 from swarmtrain.scenarios.links import Network
 from swarmtrain.scenarios.procs import Processes
-from swarmtrain.scenarios.spec import LINK_KEYS, NETWORK_ACTIONS, Scenario, ScenarioError
+from swarmtrain.scenarios.spec import LINK_KEYS, NETWORK_ACTIONS, Scenario, ScenarioError, data_path
 from swarmtrain.scenarios.timeline import Firing, Timeline
 
 POLL_S = 0.5
@@ -126,9 +126,8 @@ class Runner:
         settings = {**DEFAULTS, **node.settings}
         if node.up_ms or node.down_ms:  # the node's transport delays its messages (links.py: rates and loss)
             settings |= {"node.up_delay_ms": node.up_ms, "node.down_delay_ms": node.down_ms}
-        data = settings.get("data.path")
-        if isinstance(data, str) and not Path(data).is_absolute() and (self.spec.path.parent / data).exists():
-            settings["data.path"] = str(self.spec.path.parent / data)  # relative to the scenario file
+        if isinstance(settings.get("data.path"), str):
+            settings["data.path"] = str(data_path(self.spec.path.parent, settings["data.path"]))
         initial_count = sum(n.start for n in self.spec.nodes)
         # The first nodes start round 0 together. A joiner waits until it sees one peer of the running swarm: its
         # first look at the DHT through the bootstrap peer can come back empty, and a node that sees no one trains

@@ -41,6 +41,7 @@ from __future__ import annotations
 import difflib
 import re
 import tomllib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -48,6 +49,7 @@ from typing import Any, Literal
 from pydantic import ValidationError
 
 from swarmtrain.config import Config, known_keys
+from swarmtrain.data.corpus import stdlib_root
 from swarmtrain.errors import SwarmtrainError
 
 Action = Literal["join", "leave", "kill", "pause", "resume", "link", "partition", "heal"]
@@ -307,6 +309,20 @@ class _Parser:
             **{k: float(v) for k, v in {**losses, **delays}.items()},
         }
 
+    def data(self, settings: dict[str, Any], base: Path, origin: Callable[[str], tuple[str, int]]) -> None:
+        """The node's corpus exists, and every folder data.include and data.eval_parts name is inside it: a node
+        would fail at its start otherwise. ``origin`` gives the name and line of the key that set a setting."""
+        data = settings.get("data.path")
+        root = stdlib_root() if data is None else data_path(base, data)
+        if not root.exists():
+            name, line = origin("data.path")
+            raise self.fail(line, name, f"{root} does not exist; name a text file or folder (relative to this file).")
+        for key in ("data.include", "data.eval_parts"):
+            for folder in settings.get(key) or []:
+                if not (root / folder).is_dir():
+                    name, line = origin(key)
+                    raise self.fail(line, name, f"names {folder!r}, which is not a folder inside the corpus ({root}).")
+
     def action(self, table: dict[str, Any], name: str, line: int) -> Action:
         action = table.get("action")
         if action not in ACTIONS:
@@ -388,7 +404,8 @@ def parse_spec(text: str, path: Path | str = "<scenario>") -> Scenario:
     config = doc.get("config", {})
     if not isinstance(config, dict):
         raise p.fail(where.header("config"), "config", "must be a table of node settings.")
-    common = {**base, **p.settings(config, "config", "config")}
+    from_config = p.settings(config, "config", "config")
+    common = {**base, **from_config}
 
     default_link = p.link(swarm.get("link", {}), "swarm.link", line("link"))
     declared = doc.get("nodes", {})
@@ -410,7 +427,17 @@ def parse_spec(text: str, path: Path | str = "<scenario>") -> Scenario:
         if start is None:
             start = name in {f"node{i}" for i in range(count)}
         table = f"{header}.config" if where.header(f"{header}.config") else header
-        settings = {**common, **p.settings(own.get("config", {}), f"{header}.config", table)}
+        from_node = p.settings(own.get("config", {}), f"{header}.config", table)
+        settings = {**common, **from_node}
+
+        def origin(key: str, header: str = header, table: str = table, from_node: dict = from_node) -> tuple[str, int]:
+            if key in from_node:
+                return f"{header}.config.{key}", where.key(table, key)
+            if key in from_config:
+                return f"config.{key}", where.key("config", key)
+            return "swarm.data", line("data")
+
+        p.data(settings, path.parent, origin)
         rates = default_link
         if "link" in own:
             rates = p.link(own["link"], f"{header}.link", where.key(header, "link"))
@@ -515,6 +542,12 @@ def parse_spec(text: str, path: Path | str = "<scenario>") -> Scenario:
         path=path, text=text, rounds=rounds or 0, wall_time_s=wall, seed=seed, timeout_s=float(timeout),
         checkpoint=checkpoint, nodes=tuple(nodes), events=tuple(events), repeats=tuple(repeats),
     )  # fmt: skip
+
+
+def data_path(base: Path, data: str) -> Path:
+    """A node's data.path: relative to the scenario file's folder when it is there, else as written."""
+    path = Path(data).expanduser()
+    return base / path if not path.is_absolute() and (base / path).exists() else path
 
 
 def load_spec(path: Path | str) -> Scenario:
