@@ -11,15 +11,20 @@ Reported per case:
   done (so waiting for stragglers is not counted, matchmaking is), median over the timed rounds;
 - bytes sent per peer per round: everything the loopback interface carried during the timed rounds
   (payloads, framing, matchmaking, DHT), divided by peers and rounds; the ideal for a butterfly all-reduce
-  is 2 (n - 1) / n x payload.
+  is 2 (n - 1) / n x payload;
+- CPU seconds per peer per round (ours and raw): the peer process's own CPU time over the timed rounds (its p2p
+  daemon not counted). Where peers outnumber cores, a round is bound by this, not by the transfer.
+``--profile`` also prints where the first of our peers spent its CPU time in a round (cProfile, timed rounds).
 The last columns are our time over the raw transfer's and over hivemind's for the same codec.
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
 import json
 import multiprocessing as mp
+import pstats
 import statistics
 import time
 from pathlib import Path
@@ -81,13 +86,21 @@ def ours_worker(idx: int, peers: int, numel: int, codec: str, rounds: int, workd
             _wait_for(work / f"id{i}")
         members = sorted((work / f"id{i}").read_text() for i in range(peers))
         delta = torch.randn(numel, generator=torch.Generator().manual_seed(idx))
+        profiler = cProfile.Profile() if idx == 0 and (work / "profile").exists() else None
         times = []
         for r in range(rounds + 1):
             if r == 1:
                 _barrier(work, idx)
+                cpu = time.process_time()
+                if profiler is not None:
+                    profiler.enable()
             start = time.time()
             outcome = await averager.run_round(delta, 1.0, members, set(members), gather_timeout=60.0)
             times.append((start, time.time(), outcome.outcome, outcome.group.size, outcome.phases))
+        (work / f"cpu{idx}").write_text(str(time.process_time() - cpu))
+        if profiler is not None:
+            profiler.disable()
+            profiler.dump_stats(work / "peer0.prof")
         (work / f"result{idx}.json").write_text(json.dumps(times[1:]))
         await asyncio_sleep(1.0)  # let the others finish reading our last results
         await p2p.shutdown()
@@ -150,10 +163,12 @@ def raw_worker(idx: int, peers: int, numel: int, codec: str, rounds: int, workdi
         for r in range(rounds + 1):
             if r == 1:
                 _barrier(work, idx)
+                cpu = time.process_time()
             start = time.time()
             await asyncio.gather(*(send(p, r) for p in others))
             await events.setdefault(r, asyncio.Event()).wait()
             times.append((start, time.time(), "applied", peers))
+        (work / f"cpu{idx}").write_text(str(time.process_time() - cpu))
         (work / f"result{idx}.json").write_text(json.dumps(times[1:]))
         await asyncio.sleep(1.0)
         await p2p.shutdown()
@@ -191,11 +206,35 @@ def hivemind_worker(idx: int, peers: int, numel: int, codec: str, rounds: int, w
     dht.shutdown()
 
 
-def run_case(system: str, peers: int, numel: int, codec: str, rounds: int, verbose: bool = False) -> dict[str, float]:
+# Where a peer of ours spends its CPU time in a round (``--profile``): (label, file, function).
+PROFILED = [
+    ("encode its parts (codec, error feedback)", "allreduce.py", "_encode_up"),
+    ("decode and check the parts and results it receives", "allreduce.py", "_store"),
+    ("reduce its shard (the aggregator)", "robust.py", "reduce"),
+    ("hash the results for the report", "allreduce.py", "_result_hash"),
+    ("give back to the residual what the group did not apply", "allreduce.py", "_give_back"),
+    ("outer step", "outer.py", "step"),
+    ("hash the new state for the digest vote", "outer.py", "state_digest"),
+]
+
+
+def print_profile(path: Path, rounds: int) -> None:
+    stats = pstats.Stats(str(path)).stats  # type: ignore[attr-defined]
+    print(f"  where peer 0 spent its CPU time, seconds per round (cProfile, {rounds} timed rounds):")
+    for label, filename, function in PROFILED:
+        seconds = sum(v[3] for (f, _, name), v in stats.items() if f.endswith(filename) and name == function)
+        print(f"    {seconds / rounds:6.3f}  {label}")
+
+
+def run_case(
+    system: str, peers: int, numel: int, codec: str, rounds: int, verbose: bool = False, profile: bool = False
+) -> dict[str, float]:
     worker = {"swarmtrain": ours_worker, "raw": raw_worker, "hivemind": hivemind_worker}[system]
     ctx = mp.get_context("spawn")
     with TemporaryDirectory() as tmp:
         work = Path(tmp)
+        if profile and system == "swarmtrain":
+            (work / "profile").touch()
         procs = []
         for i in range(peers):
             procs.append(ctx.Process(target=worker, args=(i, peers, numel, codec, rounds, tmp), daemon=False))
@@ -217,12 +256,18 @@ def run_case(system: str, peers: int, numel: int, codec: str, rounds: int, verbo
                     p.kill()
                     p.join()
         results = [json.loads((work / f"result{i}.json").read_text()) for i in range(peers)]
+        cpus = [float((work / f"cpu{i}").read_text()) / rounds for i in range(peers) if (work / f"cpu{i}").exists()]
+        if (work / "peer0.prof").exists():
+            print_profile(work / "peer0.prof", rounds)
     walls = [max(r[k][1] for r in results) - max(r[k][0] for r in results) for k in range(rounds)]
     ok = all(r[k][2] == "applied" and r[k][3] == peers for r in results for k in range(rounds))
     if system == "swarmtrain" and verbose:
         for k in range(rounds):
             print(f"  round {k}: " + "; ".join(str(r[k][4]) for r in results), flush=True)
-    return {"wall_s": statistics.median(walls), "bytes_per_peer": (after - before) / (peers * rounds), "ok": ok}
+    return {
+        "wall_s": statistics.median(walls), "bytes_per_peer": (after - before) / (peers * rounds), "ok": ok,
+        "cpu_s": statistics.fmean(cpus) if cpus else float("nan"),
+    }  # fmt: skip
 
 
 def main() -> None:
@@ -233,16 +278,22 @@ def main() -> None:
     parser.add_argument("--codecs", default="fp32,fp16")
     parser.add_argument("--systems", default="swarmtrain,raw,hivemind")
     parser.add_argument("--verbose", action="store_true", help="print where each of our rounds spent its time")
+    parser.add_argument("--profile", action="store_true", help="print where our first peer spent its CPU time")
     args = parser.parse_args()
     print(f"{args.peers} peers x {args.numel:,} fp32 elements, {args.rounds} timed rounds each (after one warm-up)")
-    print(f"{'codec':6} {'system':10} {'wall s':>8} {'MB sent/peer':>13} {'ideal MB':>9} {'ok':>4} {'ours/it':>8}")
+    print(
+        f"{'codec':6} {'system':10} {'wall s':>8} {'MB sent/peer':>13} {'ideal MB':>9} {'ok':>4} {'ours/it':>8} "
+        f"{'CPU s/peer':>11}"
+    )
     for codec in args.codecs.split(","):
         payload = args.numel * (2 if codec == "fp16" else 4)
         ideal = 2 * (args.peers - 1) / args.peers * payload
         cases = {
-            s: run_case(s, args.peers, args.numel, codec, args.rounds, args.verbose) for s in args.systems.split(",")
+            s: run_case(s, args.peers, args.numel, codec, args.rounds, args.verbose, args.profile)
+            for s in args.systems.split(",")
         }
         for system, c in cases.items():
+            cpu = c["cpu_s"]
             ratio = (
                 cases["swarmtrain"]["wall_s"] / c["wall_s"]
                 if system != "swarmtrain" and "swarmtrain" in cases
@@ -250,7 +301,8 @@ def main() -> None:
             )
             print(
                 f"{codec:6} {system:10} {c['wall_s']:8.3f} {c['bytes_per_peer'] / 1e6:13.1f} {ideal / 1e6:9.1f} "
-                f"{'yes' if c['ok'] else 'NO':>4} {'' if ratio != ratio else f'{ratio:.2f}x':>8}",
+                f"{'yes' if c['ok'] else 'NO':>4} {'' if ratio != ratio else f'{ratio:.2f}x':>8} "
+                f"{'' if cpu != cpu else f'{cpu:.3f}':>11}",
                 flush=True,
             )
 
