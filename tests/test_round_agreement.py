@@ -7,6 +7,7 @@ Each test is one interleaving found by review (issue 10) on the in-memory transp
 from __future__ import annotations
 
 import asyncio
+import random
 
 import pytest
 import torch
@@ -264,3 +265,31 @@ async def test_a_member_cut_off_from_the_reports_sets_its_residual_to_the_groups
     assert cut.unsettled is None
     for a in averagers[:2]:
         assert a.residual is not None and torch.count_nonzero(a.residual) == 0
+
+
+def test_the_ranges_given_back_are_those_the_masks_would_select() -> None:
+    """``_give_back`` works by ranges: the gaps between the encoded parts, and a returned range cut to the parts
+    that were encoded, select exactly what boolean masks over the whole update would."""
+    from swarmtrain.averaging.allreduce import _gaps, _overlaps
+
+    rng = random.Random(7)
+    for _ in range(300):
+        length = rng.randint(1, 60)
+        cuts = sorted(rng.sample(range(length + 1), rng.randint(0, min(8, length + 1))))
+        parts = [(a, b) for a, b in zip([0, *cuts], [*cuts, length], strict=True) if a < b]
+        encoded = sorted(rng.sample(parts, rng.randint(0, len(parts))))
+        mask = torch.zeros(length, dtype=torch.bool)
+        for s, e in encoded:
+            mask[s:e] = True
+        gaps = torch.zeros(length, dtype=torch.bool)
+        for s, e in _gaps(encoded, length):
+            gaps[s:e] = True
+        assert torch.equal(gaps, ~mask), (encoded, length)
+        start = rng.randint(0, length - 1)
+        end = rng.randint(start + 1, length)
+        cut = torch.zeros(length, dtype=torch.bool)
+        for s, e in _overlaps(encoded, start, end):
+            cut[s:e] = True
+        window = torch.zeros(length, dtype=torch.bool)
+        window[start:end] = True
+        assert torch.equal(cut, window & mask), (encoded, start, end)

@@ -49,6 +49,21 @@ def _digest(payload: bytes) -> bytes:
     return hashlib.sha256(payload).digest()
 
 
+def _gaps(ranges: list[tuple[int, int]], length: int) -> list[tuple[int, int]]:
+    """What of ``0:length`` the sorted, disjoint ``ranges`` leave out."""
+    gaps, at = [], 0
+    for start, end in ranges:
+        if start > at:
+            gaps.append((at, start))
+        at = max(at, end)
+    return gaps + ([(at, length)] if at < length else [])
+
+
+def _overlaps(ranges: list[tuple[int, int]], start: int, end: int) -> list[tuple[int, int]]:
+    """The parts of ``start:end`` inside the sorted, disjoint ``ranges``."""
+    return [(max(s, start), min(e, end)) for s, e in ranges if s < end and e > start]
+
+
 def tensor_hash(t: torch.Tensor) -> str:
     return hashlib.sha256(t.contiguous().view(torch.uint8).numpy()).hexdigest()[:24]
 
@@ -523,12 +538,14 @@ class AllReduce(GroupExchange):
         """
         if self.residual is None or self.sent is None or self.group.weights[self.index] <= 0:
             return
-        encoded = self._encoded()
-        unsent = ~encoded
-        self.residual[unsent] += self.delta[unsent]
+        # By ranges, not boolean masks: in the usual round (everything encoded and applied) there is nothing to do,
+        # and a mask over the whole update cost a pass of its length and an index scan (~40 ms per 10M elements).
+        encoded = sorted(self.encoded)
+        for start, end in _gaps(encoded, self.delta.numel()):
+            self.residual[start:end] += self.delta[start:end]
         for start, end in self._returned(applied, self._masks()):
-            sent = encoded[start:end]
-            self.residual[start:end][sent] += self.sent[start:end][sent]
+            for s, e in _overlaps(encoded, start, end):
+                self.residual[s:e] += self.sent[s:e]
 
     def ledger(self) -> dict[str, Any]:
         masks = [[box.masks[p].hex() for p in sorted(box.masks)] if ok else [] for box, ok in zip(
