@@ -58,7 +58,8 @@ def test_a_slowdown_makes_each_inner_step_take_that_many_times_as_long(tmp_path:
             time.sleep(0.05)
             return 1.0
 
-    loop = Fixed(tiny_config(tmp_path, text_file), load_corpus(tiny_config(tmp_path, text_file).data), data_seed=1)
+    config = tiny_config(tmp_path, text_file)
+    loop = Fixed(config, load_corpus(config.data), data_seed=1)
     _, _, full = loop.run(4)
     _, _, slow = loop.run(4, slowdown=3.0)
     assert full >= 0.2 and 3 * 0.2 <= slow <= 3 * full + 0.3, (full, slow)  # each step's time, twice more

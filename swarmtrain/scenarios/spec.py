@@ -41,7 +41,6 @@ from __future__ import annotations
 import difflib
 import re
 import tomllib
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -309,18 +308,18 @@ class _Parser:
             **{k: float(v) for k, v in {**losses, **delays}.items()},
         }
 
-    def data(self, settings: dict[str, Any], base: Path, origin: Callable[[str], tuple[str, int]]) -> None:
+    def data(self, settings: dict[str, Any], base: Path, origins: dict[str, tuple[str, int]]) -> None:
         """The node's corpus exists, and every folder data.include and data.eval_parts name is inside it: a node
-        would fail at its start otherwise. ``origin`` gives the name and line of the key that set a setting."""
+        would fail at its start otherwise. ``origins`` gives the name and line of the key that set each setting."""
         data = settings.get("data.path")
         root = stdlib_root() if data is None else data_path(base, data)
         if not root.exists():
-            name, line = origin("data.path")
+            name, line = origins["data.path"]
             raise self.fail(line, name, f"{root} does not exist; name a text file or folder (relative to this file).")
         for key in ("data.include", "data.eval_parts"):
             for folder in settings.get(key) or []:
                 if not (root / folder).is_dir():
-                    name, line = origin(key)
+                    name, line = origins[key]
                     raise self.fail(line, name, f"names {folder!r}, which is not a folder inside the corpus ({root}).")
 
     def action(self, table: dict[str, Any], name: str, line: int) -> Action:
@@ -430,14 +429,13 @@ def parse_spec(text: str, path: Path | str = "<scenario>") -> Scenario:
         from_node = p.settings(own.get("config", {}), f"{header}.config", table)
         settings = {**common, **from_node}
 
-        def origin(key: str, header: str = header, table: str = table, from_node: dict = from_node) -> tuple[str, int]:
-            if key in from_node:
-                return f"{header}.config.{key}", where.key(table, key)
-            if key in from_config:
-                return f"config.{key}", where.key("config", key)
-            return "swarm.data", line("data")
-
-        p.data(settings, path.parent, origin)
+        origins = {  # the name and line of the key that set each data setting, for the check's message
+            key: (f"{header}.config.{key}", where.key(table, key)) if key in from_node
+            else (f"config.{key}", where.key("config", key)) if key in from_config
+            else ("swarm.data", line("data"))
+            for key in ("data.path", "data.include", "data.eval_parts")
+        }  # fmt: skip
+        p.data(settings, path.parent, origins)
         rates = default_link
         if "link" in own:
             rates = p.link(own["link"], f"{header}.link", where.key(header, "link"))
