@@ -84,7 +84,10 @@ def test_a_node_frozen_past_the_deadline_resyncs_and_contributes_again(swarm: Sw
 
 def test_ctrl_c_finishes_the_round_with_the_steps_done_then_leaves(swarm: Swarm) -> None:
     names = ["n0", "n1", "n2"]
-    swarm.start_all(names, rounds=0, extra=["node.inner_steps=300"])  # inner phases of seconds: Ctrl+C lands in one
+    # Inner phases of 5 s on any machine (a time budget, not a count of steps that a fast machine does in less
+    # than the wait below): Ctrl+C 1.5 s after a round's line lands in the next round's inner steps.
+    budget = 5.0
+    swarm.start_all(names, rounds=0, extra=["node.inner_steps=100000", f"node.inner_time_s={budget}"])
     swarm.wait_until(lambda: len(swarm.rounds("n2")) >= 1, 120, "a round")
     time.sleep(1.5)
     swarm.kill("n2", signal.SIGINT)
@@ -92,7 +95,8 @@ def test_ctrl_c_finishes_the_round_with_the_steps_done_then_leaves(swarm: Swarm)
     last = swarm.rounds("n2")[-1]
     # Its last round: cut short, contributed and finished with the others (one digest).
     assert last["group_size"] == 3 and last["outcome"] == "applied"
-    assert 0 < last["weights"][last["group"].index(last["peer_id"])] < 4 * 32 * 300
+    assert last["weights"][last["group"].index(last["peer_id"])] > 0
+    assert last["inner_s"] < budget - 1.0, last  # a whole inner phase takes the budget or more
     swarm.wait_until(lambda: swarm.rounds("n0")[-1]["round"] >= last["round"] + 2, 90, "two rounds without n2")
     rows = {r["round"]: r for r in swarm.rounds("n0")}
     assert rows[last["round"]]["digest"] == last["digest"]
