@@ -171,6 +171,10 @@ class NodeConfig(_Section):
     inner_time_s: float = Field(0.0, ge=0.0)
     """Rounds by time: train this many seconds per round (at least one step) and contribute the tokens done,
     so fast and slow nodes share rounds without waiting; 0 means node.inner_steps steps per round."""
+    overlap: bool = False
+    """Hide the exchange behind compute (Streaming DiLoCo's overlap): the next round's inner steps start while
+    this round's update is averaged, and the new theta_g is merged in when it arrives (the local steps since
+    are kept on top of it). Off: the inner steps wait for the exchange. Needs train.trainer = standard."""
     slowdown: float = Field(1.0, ge=1.0, le=1000.0)
     """Make each inner step take this many times as long (it sleeps the rest), to try a slower machine on this
     one (a scenario's unlike machines); 1: full speed."""
@@ -371,6 +375,12 @@ class Config(_Section):
                 raise ValueError(
                     "node.inner_time_s needs train.trainer = standard: localtrain's pipeline fixes a round's steps "
                     "when the round starts; set node.inner_steps instead"
+                )
+            if self.node.overlap:
+                raise ValueError(
+                    "node.overlap needs train.trainer = standard: localtrain's stages hold their parameters in "
+                    "their own processes while a round's steps run, so theta_g cannot be merged in between two "
+                    "steps; set node.overlap = false"
                 )
             # Imported here: swarmtrain.localtrain.config imports this module.
             from swarmtrain.localtrain.config import check_node_config

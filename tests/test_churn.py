@@ -82,12 +82,15 @@ def test_a_node_frozen_past_the_deadline_resyncs_and_contributes_again(swarm: Sw
     assert shared and all(rows["n2"][k]["digest"] == rows["n0"][k]["digest"] for k in shared)
 
 
-def test_ctrl_c_finishes_the_round_with_the_steps_done_then_leaves(swarm: Swarm) -> None:
+@pytest.mark.parametrize("overlap", [False, pytest.param(True, marks=pytest.mark.slow)])
+def test_ctrl_c_finishes_the_round_with_the_steps_done_then_leaves(swarm: Swarm, overlap: bool) -> None:
     names = ["n0", "n1", "n2"]
     # Inner phases of 5 s on any machine (a time budget, not a count of steps that a fast machine does in less
-    # than the wait below): Ctrl+C 1.5 s after a round's line lands in the next round's inner steps.
+    # than the wait below): Ctrl+C 1.5 s after a round's line lands in the next round's inner steps (with
+    # node.overlap, the steps that run beside that round's exchange: they are contributed to a round more).
     budget = 5.0
-    swarm.start_all(names, rounds=0, extra=["node.inner_steps=100000", f"node.inner_time_s={budget}"])
+    extra = ["node.inner_steps=100000", f"node.inner_time_s={budget}", f"node.overlap={str(overlap).lower()}"]
+    swarm.start_all(names, rounds=0, extra=extra)
     swarm.wait_until(lambda: len(swarm.rounds("n2")) >= 1, 120, "a round")
     time.sleep(1.5)
     swarm.kill("n2", signal.SIGINT)

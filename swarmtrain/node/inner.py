@@ -13,6 +13,10 @@ and everything the swarm agrees on stays on the CPU. ``run`` executes one round'
 in ``node.inner_time_s`` (in a worker thread); ``stop`` makes a running
 ``run`` return after its current step and waits for it, so Ctrl+C or an error never tears resources down under
 a running step; ``close`` stops and then releases the stage processes and shared memory.
+
+``node.overlap``: ``rebase`` merges a new theta_g into a run in flight, between two of its steps, keeping the
+steps taken since the update was measured (``anchor``); ``evaluate_theta`` measures theta_g on a copy of the
+model while the steps go on.
 """
 
 from __future__ import annotations
@@ -29,7 +33,9 @@ from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
 from swarmtrain.config import Config
 from swarmtrain.data import Corpus
+from swarmtrain.model import ByteTransformer
 from swarmtrain.train import Checkpoint, Trainer, check_compatible
+from swarmtrain.train.trainer import evaluate_bpb
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +52,8 @@ class InnerLoop(ABC):
     def __init__(self) -> None:
         self._stopping = threading.Event()
         self._busy = threading.Lock()
+        self._rebase: tuple[torch.Tensor, torch.Tensor] | None = None  # (theta_g, anchor) for the next step
+        self._rebase_lock = threading.Lock()
 
     @property
     @abstractmethod
@@ -66,27 +74,51 @@ class InnerLoop(ABC):
             while time_s > 0 or len(losses) < steps:
                 if self._stopping.is_set() or (losses and time_s > 0 and time.perf_counter() - started >= time_s):
                     break
+                self._apply_rebase()
                 step_started = time.perf_counter()
                 losses.append(self._step())
                 delay = step_delay_s + (slowdown - 1) * (time.perf_counter() - step_started)
                 if delay > 0:
                     time.sleep(delay)
+            self._apply_rebase()  # theta_g that came during the last step
             loss = sum(losses) / len(losses) if losses else float("nan")
             return loss, self.tokens - tokens0, time.perf_counter() - started
 
     def vector(self) -> torch.Tensor:
         """The model's parameters as one flat float32 vector (a copy)."""
         with self._busy:
+            self._apply_rebase()
             return self._vector()
 
     def load_vector(self, theta: torch.Tensor) -> None:
         """Overwrite the model's parameters with ``theta`` (the optimizer states are kept)."""
         with self._busy:
+            with self._rebase_lock:
+                self._rebase = None
             self._load_vector(theta)
+
+    def rebase(self, theta: torch.Tensor, anchor: torch.Tensor) -> None:
+        """Make the parameters ``theta + (x - anchor)``, x being the parameters then: the round whose update was
+        measured at ``anchor`` gave theta_g = ``theta``, and the steps taken since stay on top of it. Returns at
+        once: a run in flight applies it before its next step (or as it ends), else the next use of the model."""
+        with self._rebase_lock:
+            self._rebase = (theta.detach().clone(), anchor)
+
+    def evaluate_theta(self, theta: torch.Tensor) -> float:
+        """Held-out bits per byte of ``theta`` on a copy of the model, without waiting for a run in flight."""
+        raise NotImplementedError(f"{type(self).__name__} cannot evaluate beside its steps (node.overlap)")
+
+    def _apply_rebase(self) -> None:  # holding ``_busy``
+        with self._rebase_lock:
+            pending, self._rebase = self._rebase, None
+        if pending is not None:
+            theta, anchor = pending
+            self._load_vector(theta + (self._vector() - anchor))
 
     def evaluate(self, val: np.ndarray | None = None) -> float:
         """Held-out bits per byte of the current model (on the validation bytes ``val``, else its corpus's)."""
         with self._busy:
+            self._apply_rebase()
             return self._evaluate(val)
 
     def interrupt(self) -> None:
@@ -136,6 +168,7 @@ class StandardLoop(InnerLoop):
         self.trainer = Trainer(config, corpus, data_seed=data_seed)
         self.shapes = [tuple(p.shape) for p in self.trainer.model.parameters()]
         self.device = str(self.trainer.device)
+        self._copy: ByteTransformer | None = None  # evaluate_theta's model
         log.info("inner steps by the standard trainer on %s", self.device)
 
     @property
@@ -156,6 +189,14 @@ class StandardLoop(InnerLoop):
 
     def _evaluate(self, val: np.ndarray | None) -> float:
         return self.trainer.evaluate(val)
+
+    def evaluate_theta(self, theta: torch.Tensor) -> float:
+        t = self.trainer
+        if self._copy is None:  # on the trainer's device, made once
+            self._copy = ByteTransformer(t.config.model).to(t.device)
+        with torch.no_grad():
+            vector_to_parameters(theta.detach().to(t.device, torch.float32, copy=True), self._copy.parameters())
+        return evaluate_bpb(self._copy, t.corpus.val, t.config, t.device)
 
     def state(self, theta_g: torch.Tensor) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         return self.trainer.state()  # the local model and AdamW: what `swarmtrain train` resumes from

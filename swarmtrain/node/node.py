@@ -17,10 +17,11 @@ import logging
 import time
 import zlib
 from collections import Counter
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from pathlib import Path
 from typing import Any
 
+import torch
 from hivemind.dht.node import DHTNode
 from hivemind.dht.validation import CompositeValidator
 from hivemind.p2p import P2P
@@ -470,10 +471,28 @@ class Node:
         self._logged_at = 0.0  # seconds after ``started`` of the last round line (``_log_round``)
         last_inner = 0.0
         whole_inner = 0.0  # my last inner phase that Ctrl+C did not cut short: what my peers still train
+        # node.overlap: the inner steps of the next round, started beside this round's exchange; the parameters
+        # they started from (``anchor``); a checkpoint that waits for them to end.
+        pending: asyncio.Task | None = None
+        anchor = torch.empty(0)
+        checkpoint_due = False
+
+        def inner_steps() -> Awaitable[tuple[float, int, float]]:
+            return asyncio.to_thread(
+                trainer.run, node.inner_steps, node.inner_time_s, node.test_step_delay_s, node.slowdown
+            )
+
+        def time_up() -> bool:
+            return config.train.max_time is not None and time.perf_counter() - started > config.train.max_time
+
+        async def drop_pending() -> None:  # a round that did not end in step: its next steps train on as they are
+            nonlocal pending
+            if pending is not None:
+                await pending
+                pending = None
+
         while node.rounds == 0 or averager.round < node.rounds:
-            if self.leaving or (
-                config.train.max_time is not None and time.perf_counter() - started > config.train.max_time
-            ):
+            if pending is None and (self.leaving or time_up()):
                 break
             if averager.lifecycle.phase is Phase.CATCH_UP:
                 await self._catch_up(averager, membership, trainer, wait_s=max(30.0, 4 * last_inner))
@@ -491,20 +510,30 @@ class Node:
             else:
                 if not self.leaving:
                     self.status.set(NodeState.TRAINING, f"inner steps of round {averager.round}")
-                loss, tokens, inner_s = await asyncio.to_thread(
-                    trainer.run, node.inner_steps, node.inner_time_s, node.test_step_delay_s, node.slowdown
-                )
+                if pending is not None:
+                    loss, tokens, inner_s = await pending
+                    pending = None
+                else:
+                    loss, tokens, inner_s = await inner_steps()
+                if checkpoint_due:  # the last round's, now that no step runs
+                    self._checkpoint(trainer, averager)
+                    checkpoint_due = False
                 last_inner = inner_s
                 if not self.leaving:
                     whole_inner = inner_s
                 if self.leaving and tokens == 0:
                     break  # asked to leave before a single step of this round: nothing to contribute
+            local = trainer.vector()
+            delta = averager.outer.theta - local
+            if node.overlap and not observing and not self.leaving and not time_up():
+                if node.rounds == 0 or averager.round + 1 < node.rounds:
+                    anchor, pending = local, asyncio.create_task(inner_steps())
             membership.update(phase="averaging", tokens_per_s=tokens / max(last_inner, 1e-9), inner_s=last_inner)
             if not self.leaving and not observing:
-                self.status.set(NodeState.AVERAGING, f"outer step of round {averager.round}")
+                beside = ", the next round's inner steps beside it" if pending is not None else ""
+                self.status.set(NodeState.AVERAGING, f"outer step of round {averager.round}{beside}")
             await membership.publish()
             sent, received = transport.counter.sent, transport.counter.received
-            delta = averager.outer.theta - trainer.vector()
             live = list(membership.view)
             if len(live) == 1 and not averager.lifecycle.solo:
                 # A lookup that shows no one else (the DHT under load, or stalled by a frozen peer) is not news
@@ -526,8 +555,13 @@ class Node:
                 self.status.set(NodeState.LEFT_OUT, f"round {averager.round} failed ({exc}); catching up")
                 averager.round += 1
                 averager.lifecycle.advance(Event.FAILED)
+                await drop_pending()
                 continue
-            self._load_theta(trainer, averager)
+            if pending is not None and averager.lifecycle.phase in (Phase.SOLO, Phase.IN_STEP):
+                trainer.rebase(averager.outer.theta, anchor)  # the steps since go on from the new theta_g
+            else:
+                await drop_pending()
+                self._load_theta(trainer, averager)
             bans = ban_table(averager.matchmaker.bans.active(averager.round))  # for `swarmtrain status`
             membership.update(bans=bans)
             self.status.set_bans({peer: ban.model_dump() for peer, ban in bans.items()})
@@ -551,7 +585,10 @@ class Node:
                 self._last_group = outcome.group.members
             bpb = None
             if node.eval_every and averager.round % node.eval_every == 0:
-                bpb = await asyncio.to_thread(trainer.evaluate)
+                if pending is not None:  # theta_g, on a copy, beside the steps
+                    bpb = await asyncio.to_thread(trainer.evaluate_theta, averager.outer.theta)
+                else:
+                    bpb = await asyncio.to_thread(trainer.evaluate)
                 membership.update(bpb=_bounded(bpb, MAX_LOSS))
             speed = tokens / last_inner if tokens and last_inner > 0 else 0.0
             inner = 0.0 if observing else last_inner
@@ -559,8 +596,11 @@ class Node:
                 outcome, loss, tokens, speed, inner, trainer.device, transport, sent, received, bpb, started
             )  # fmt: skip
             if averager.round % node.checkpoint_every == 0:
-                self._checkpoint(trainer, averager)
-            if self.leaving:
+                if pending is None:
+                    self._checkpoint(trainer, averager)
+                else:
+                    checkpoint_due = True
+            if self.leaving and pending is None:
                 with contextlib.suppress(Exception):  # at once: the others must not wait for me next round
                     await asyncio.wait_for(membership.leave(), 3.0)
                 log.info("left after finishing round %d", outcome.round)
