@@ -13,7 +13,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from swarmtrain.scenarios.report import load_run, summarize
+from swarmtrain.scenarios.report import load_run, percent, summarize
 from swarmtrain.scenarios.spec import ScenarioError
 
 
@@ -59,19 +59,23 @@ def compare(folders: list[Path], out: Path) -> Path:
         parts = ", ".join(f"{name} {v:.4f}" for name, v in s["final_bpb_parts_mean"].items())
         lines.append((
             f"| {folder.name} | {bpb} | {s['wall_s']:.1f} | {s['tokens']:,} | {s['bytes_sent'] / 1e6:.1f} | "
-            f"{outcomes} | {step} | {s['utilisation']:.1%} |", parts
+            f"{outcomes} | {step} | {s['utilisation']:.1%} | {percent(s['utilisation_training'])} |", parts
         ))  # fmt: skip
         points = curve(run, rows)
         for ax, x in zip(axes, (0, 1, 2), strict=True):
             scale = 1e6 if x == 2 else 1
             ax.plot([p[x] / scale for p in points], [p[3] for p in points], marker=".", label=folder.name)
     save_loss_axes(fig, axes, "held-out bits per byte (mean over nodes)", out / "compare.png")
-    note = "(median outer step: the outer step's duration in rounds with a group of two or more)"
+    note = (
+        "(median outer step: the outer step's duration in rounds with a group of two or more; utilisation: inner "
+        "steps over the nodes' lifetimes; in training: over the wall time between round lines, from each node's "
+        "second)"
+    )
     by_part = any(parts for _, parts in lines)  # a column only where some run has data.eval_parts
     header = [
         "| run | final bpb (mean) | wall s | tokens | MB sent | rounds applied / fallback / diverged "
-        "| median outer step s | utilisation |" + (" held-out bpb by part |" if by_part else ""),
-        "|---" * (9 if by_part else 8) + "|",
+        "| median outer step s | utilisation | in training |" + (" held-out bpb by part |" if by_part else ""),
+        "|---" * (10 if by_part else 9) + "|",
     ]
     table = [row + (f" {parts or '-'} |" if by_part else "") for row, parts in lines]
     text = "\n".join([*header, *table, "", note, "", "![compare](compare.png)", ""])

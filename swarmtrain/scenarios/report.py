@@ -13,7 +13,10 @@ Definitions:
 - a round's outcome is the worst over the rows all nodes logged for it: diverged, else fallback, else applied;
 - a joiner's time to contribute runs from its start to the logged end of its first round whose average took
   its tokens (token share > 0) together with at least one other node, applied;
-- compute utilisation is the time spent in inner steps over the wall time the node's processes lived.
+- compute utilisation is the time spent in inner steps over the wall time the node's processes lived (start-up,
+  waiting for peers and the final evaluation included); in training, over the wall time between each node's round
+  lines from its second on (each line's ``wall_s``): the steady state, where an exchange not hidden behind the
+  inner steps (``node.overlap``) costs it.
 """
 
 from __future__ import annotations
@@ -77,12 +80,15 @@ def summarize(run: dict[str, Any], events: list[dict[str, Any]], rows: list[dict
         mine = [r for r in rounds if r["node"] == life["node"] and r["incarnation"] == life["incarnation"]]
         lived = (life["ended"] or run["ended"]) - life["started"]
         inner = sum(r.get("inner_s", 0.0) for r in mine)
+        steady = mine[1:]  # the first round's line waited for the swarm to start
+        steady_inner, steady_wall = sum(r.get("inner_s", 0.0) for r in steady), sum(r["wall_s"] for r in steady)
         per_node.append({
             "node": label(life["node"], life["incarnation"]),
             "rounds": len(mine), "tokens": sum(r["tokens"] for r in mine),
             "bytes_sent": sum(r["bytes_sent"] for r in mine),
             "exit_code": life["exit_code"], "lived_s": round(lived, 3), "inner_s": round(inner, 3),
             "utilisation": round(inner / lived, 4) if lived > 0 else 0.0,
+            "steady_inner_s": round(steady_inner, 3), "steady_wall_s": round(steady_wall, 3),
         })  # fmt: skip
     joiners = []
     for e in events:
@@ -99,6 +105,7 @@ def summarize(run: dict[str, Any], events: list[dict[str, Any]], rows: list[dict
                 "round": None if first is None else first["round"],
             })  # fmt: skip
     lived = sum(n["lived_s"] for n in per_node)
+    steady = sum(n["steady_wall_s"] for n in per_node)
     return {
         "wall_s": round(wall, 3),
         "final_bpb": {k: finals[k] for k in sorted(finals)},
@@ -112,6 +119,7 @@ def summarize(run: dict[str, Any], events: list[dict[str, Any]], rows: list[dict
         "rounds_fallback": sum(o == "fallback" for o in outcomes.values()),
         "rounds_diverged": sum(o == "diverged" for o in outcomes.values()),
         "utilisation": round(sum(n["inner_s"] for n in per_node) / lived, 4) if lived > 0 else 0.0,
+        "utilisation_training": round(sum(n["steady_inner_s"] for n in per_node) / steady, 4) if steady > 0 else None,
         "nodes": per_node,
         "joiners": joiners,
         "events": [e for e in events if e["action"] in ("join", "leave", "kill", "pause", "resume", "stop")],
@@ -122,6 +130,11 @@ def parts_mean(parts: dict[str, dict[str, float]]) -> dict[str, float]:
     """Per part (data.eval_parts), the mean over the nodes' final models of their held-out bpb on it."""
     names = list(next(iter(parts.values()), {}))
     return {name: statistics.fmean(p[name] for p in parts.values() if name in p) for name in names}
+
+
+def percent(share: float | None) -> str:
+    """A share as a percentage, or "-" where there is none (no node logged two rounds)."""
+    return "-" if share is None else f"{share:.1%}"
 
 
 def markdown(summary: dict[str, Any], spec_name: str, phases: bool) -> str:
@@ -137,6 +150,7 @@ def markdown(summary: dict[str, Any], spec_name: str, phases: bool) -> str:
         f"| rounds applied / fallback / diverged | {s['rounds_applied']} / {s['rounds_fallback']} / "
         f"{s['rounds_diverged']} of {s['rounds']} |",
         f"| compute utilisation (inner steps / wall time) | {s['utilisation']:.1%} |",
+        f"| compute utilisation in training (from each node's second round) | {percent(s['utilisation_training'])} |",
         "", "## Nodes", "",
         "| node | rounds | tokens | bytes sent | lived s | inner s | utilisation | exit | final bpb |",
         "|---|---|---|---|---|---|---|---|---|",
