@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # One lab of the course, end to end: run its scenarios, then compare them (a table and one plot).
-#   scenarios/lab.sh 1|2|3|5|links|noniid [OUT]      (OUT: runs/labN; swarmtrain on PATH, e.g. . .venv/bin/activate)
+#   scenarios/lab.sh 1|2|3|5|links|noniid|overlap [OUT]      (OUT: runs/labN; swarmtrain on PATH, e.g. . .venv/bin/activate)
 # 1: FedAvg with H = 1, 4, 16, 64 at one token budget; 2: DiLoCo vs FedAvg vs synchronous data parallel (H = 1);
 # 3: the top 1 % of the update with and without error feedback vs the whole update; 5: batch sizes 4 to 32 on
 # four nodes, each update weighted by its tokens or all alike; links: unlimited, 100 Mbit/s, 100 Mbit/s with 50 ms
 # round trips, and that with 1 % loss too (needs root); noniid: nodes on different parts of the corpus, or all on
-# all of it. (Lab 4, churn, is scenarios/churn-drop-one.toml.)
+# all of it; overlap: 100 Mbit/s with 50 ms round trips, the exchange hidden behind the inner steps or not (needs
+# root). (Lab 4, churn, is scenarios/churn-drop-one.toml.)
 set -euo pipefail
 lab=${1:-}
 out=${2:-runs/lab$lab}
@@ -16,7 +17,8 @@ case $lab in
     5) runs="lab5-tokens lab5-equal" ;;
     links) runs="links-unlimited links-100mbit links-100mbit-50ms links-lossy" ;;
     noniid) runs="noniid-shuffled noniid-parts" ;;
-    *) echo "usage: scenarios/lab.sh 1|2|3|5|links|noniid [OUT]: lab 1 (FedAvg and H), 2 (DiLoCo), 3 (top-k), 5 (batch), links, noniid" >&2; exit 2 ;;
+    overlap) runs="overlap-off overlap-on" ;;
+    *) echo "usage: scenarios/lab.sh 1|2|3|5|links|noniid|overlap [OUT]: lab 1 (FedAvg and H), 2 (DiLoCo), 3 (top-k), 5 (batch), links, noniid, overlap" >&2; exit 2 ;;
 esac
 here=$(dirname "$0")
 folders=()
