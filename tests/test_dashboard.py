@@ -161,10 +161,10 @@ async def test_the_dashboard_of_a_live_swarm_shows_its_peers_states_and_loss(tmp
         lines = [line for line in _rounds(tmp_path / "a") if line["round"] < page.loaded_round]
         assert page.curves["loss-curve"] == [(line["round"], pytest.approx(line["loss"])) for line in lines]
         assert page.curves["bpb-curve"] == [(line["round"], pytest.approx(line["bpb"])) for line in lines]
-        # Compute utilisation: the last round's, and inner steps over wall time of all rounds.
+        # Compute utilisation: the last round's, and inner steps over inner steps and idle time of all rounds.
         percent = {key: float(page.texts[key].removesuffix(" %")) for key in ("utilisation", "utilisation-all")}
         assert percent["utilisation"] == pytest.approx(100 * lines[-1]["utilisation"], abs=0.051), page.texts
-        overall = sum(line["inner_s"] for line in lines) / sum(line["wall_s"] for line in lines)
+        overall = sum(line["inner_s"] for line in lines) / sum(line["inner_s"] + line["idle_s"] for line in lines)
         assert percent["utilisation-all"] == pytest.approx(100 * overall, abs=0.051), page.texts
         shares = {peer: float(row["data-share"]) for peer, row in page.rows.items()}
         assert sum(shares.values()) == pytest.approx(1.0, abs=1e-4) and all(s > 0 for s in shares.values())

@@ -104,10 +104,13 @@ def test_overlapped_nodes_agree_every_round_and_train_while_they_average(swarm: 
     for k in range(rounds):
         assert len({rows[name][k]["digest"] for name in names}) == 1, k
     # From the second round on (the first waits for the start), each round line comes about an inner phase after
-    # the last: the exchange, at least 150 ms a message, hid behind the steps.
+    # the last, and the trainer idles for a small part of the exchange: the exchange, at least 150 ms a message,
+    # hid behind the steps.
     later = [r for name in names for r in rows[name][1:]]
-    wall, inner, exchange = (statistics.median(r[key] for r in later) for key in ("wall_s", "inner_s", "duration_s"))
+    wall, inner, idle, exchange = (
+        statistics.median(r[key] for r in later) for key in ("wall_s", "inner_s", "idle_s", "duration_s")
+    )
     assert exchange > 0.6, exchange
-    assert wall < inner + exchange / 2, (wall, inner, exchange)
+    assert wall < inner + exchange / 2 and idle < exchange / 2, (wall, inner, idle, exchange)
     finals = [next(r for r in swarm.metrics(name) if r.get("kind") == "final") for name in names]
     assert len({f["bpb"] for f in finals}) == 1  # every node ends on theta_g, not on steps of a round not run

@@ -204,11 +204,14 @@ async def test_two_nodes_serve_status_and_metrics_that_match_their_metrics_file(
                 break
         check_metrics_match(samples, lines)
         assert lines[-1]["group_size"] == 2 and samples["swarmtrain_bytes_sent_total"] > 0
-        # Utilisation: each round's inner steps over the wall time since the round line before it.
+        # Utilisation: each round's inner steps over them and the trainer's idle time before them, which holds the
+        # round before (its outer step: the node does not overlap) and no more than the time between the lines.
+        assert lines[0]["idle_s"] == 0.0  # the first inner phase: start-up is not counted
         for before, line in zip(lines, lines[1:], strict=False):
             assert line["wall_s"] == pytest.approx(line["elapsed_s"] - before["elapsed_s"], abs=2e-3), line
-            assert 0 < line["utilisation"] <= 1
-            assert line["utilisation"] == pytest.approx(line["inner_s"] / line["wall_s"], abs=1e-3), line
+            assert before["duration_s"] <= line["idle_s"] <= line["wall_s"] + before["wall_s"], (before, line)
+            assert 0 < line["utilisation"] < 1
+            assert line["utilisation"] == pytest.approx(line["inner_s"] / (line["inner_s"] + line["idle_s"]), abs=1e-3)
         last, state = lines[-1]["round"], (lines[-1]["state"], lines[-1]["state_reason"])
         assert state == ("averaging", f"round {last}: applied in a group of 2")
         # Between two round lines the node trains the next round, or has just started its outer step.

@@ -52,7 +52,7 @@ def test_the_panel_shows_round_state_group_outcomes_quality_bytes_and_bans() -> 
     assert f"{ME[-8:]}, {PEER[-8:]}  (2)" in text
     assert "0 applied, 1 fallback" in text
     assert "loss 3.215   held-out bpb 3.901 (round 1)" in text
-    assert "1,234 tokens/s, 80% of the last round's wall time in inner steps" in text
+    assert "1,234 tokens/s, 80% of the last round's time in inner steps" in text
     assert "sent 12.3 kB last round, 24.7 kB in all; received 46.9 kB in all" in text
     assert "2 peers in view; bans: Bbbb2222 until round 11" in text
 

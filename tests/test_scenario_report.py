@@ -15,7 +15,7 @@ T0 = 1_000_000.0
 def _round(k: int, t: float, outcome: str = "applied", group: int = 2, share: float = 0.5, **extra: object) -> dict:
     row = {"kind": "round", "round": k, "time": T0 + t, "tokens": 100, "bytes_sent": 1000, "inner_s": 2.0,
            "group_size": group, "token_share": share, "outcome": outcome, "bpb": 8.0 - k,
-           "duration_s": 0.5 + k, "wall_s": 4.0}  # fmt: skip
+           "duration_s": 0.5 + k, "idle_s": 2.0}  # fmt: skip
     return {**row, **extra}
 
 
@@ -34,7 +34,7 @@ def folder(tmp_path: Path) -> Path:
     ])  # fmt: skip
     _write(tmp_path, "nodes/node1", [_round(0, 4.1), _round(1, 8.1, "diverged-resynced")])
     _write(tmp_path, "nodes/node2", [
-        _round(1, 8, group=1, share=1.0), _round(2, 12, group=3, share=0.2, wall_s=2.5),
+        _round(1, 8, group=1, share=1.0), _round(2, 12, group=3, share=0.2, idle_s=0.5),
         {"kind": "final", "round": 3, "time": T0 + 19.5, "bpb": 5.25, "tokens": 200},
     ])  # fmt: skip
     lives = [("node0", 0.0, 20.0, 0), ("node1", 0.0, 10.0, -9), ("node2", 6.0, 20.0, 0)]
@@ -63,9 +63,8 @@ def test_the_summary_counts_rounds_by_their_worst_outcome_and_times_the_joiner(f
     assert s["tokens"] == 700 and s["bytes_sent"] == 7000
     assert s["final_bpb"] == {"node0": 5.5, "node2": 5.25} and s["final_bpb_mean"] == pytest.approx(5.375)
     assert s["utilisation"] == pytest.approx(7 * 2.0 / (20 + 10 + 14), abs=1e-4)  # inner s / lifetimes
-    # In training: each node's rows after its first (node0: 2, node1: 1, node2: 1, the last 2.5 s after the one
-    # before), inner s over their wall s.
-    assert s["utilisation_training"] == pytest.approx(4 * 2.0 / (3 * 4.0 + 2.5), abs=1e-4)
+    # In training: inner s over inner and idle s (node2 idle only 0.5 s before its last round).
+    assert s["utilisation_training"] == pytest.approx(7 * 2.0 / (7 * 2.0 + 6 * 2.0 + 0.5), abs=1e-4)
     assert s["joiners"] == [
         {
             "node": "node2",
@@ -105,7 +104,7 @@ def test_compare_tables_each_run_and_plots_the_swarm_curve_of_the_live_nodes(fol
     text = compare([folder, other], tmp_path / "cmp").read_text()
     # The median outer step counts the rows with a group of two or more (node2's solo round 1 left out): 1.5 s.
     for run in (folder, other):
-        assert f"| {run.name} | 5.3750 | 20.0 | 700 | 0.0 | 1 / 1 / 1 | 1.50 | 31.8% | 55.2% |" in text, text
+        assert f"| {run.name} | 5.3750 | 20.0 | 700 | 0.0 | 1 / 1 / 1 | 1.50 | 31.8% | 52.8% |" in text, text
     assert (tmp_path / "cmp" / "compare.png").read_bytes()[:4] == b"\x89PNG"
     run, _, rows = load_run(folder)
     points = curve(run, rows)
@@ -185,5 +184,5 @@ def test_held_out_bpb_by_part_is_tabled_per_node_and_compared_only_where_a_run_h
     assert "by part" not in write_report(plain).read_text()
     both = compare([folder, plain], tmp_path / "cmp").read_text()
     assert "| utilisation | in training | held-out bpb by part |" in both
-    assert "| 55.2% | a 2.5000, b 4.5000, all 4.0000 |" in both and "| 55.2% | - |" in both, both
+    assert "| 52.8% | a 2.5000, b 4.5000, all 4.0000 |" in both and "| 52.8% | - |" in both, both
     assert "by part" not in compare([plain], tmp_path / "cmp2").read_text()

@@ -477,10 +477,14 @@ class Node:
         anchor = torch.empty(0)
         checkpoint_due = False
 
-        def inner_steps() -> Awaitable[tuple[float, int, float]]:
-            return asyncio.to_thread(
-                trainer.run, node.inner_steps, node.inner_time_s, node.test_step_delay_s, node.slowdown
-            )
+        def timed_steps() -> tuple[float, int, float, float]:  # the loss, tokens, seconds, and when they began
+            began = time.perf_counter()
+            return *trainer.run(node.inner_steps, node.inner_time_s, node.test_step_delay_s, node.slowdown), began
+
+        def inner_steps() -> Awaitable[tuple[float, int, float, float]]:
+            return asyncio.to_thread(timed_steps)
+
+        ended: float | None = None  # when my last inner phase ended: the trainer is idle from then to the next
 
         def time_up() -> bool:
             return config.train.max_time is not None and time.perf_counter() - started > config.train.max_time
@@ -505,16 +509,18 @@ class Node:
             if observing:
                 # Just synced while the others train this round: join its group at once as an observer
                 # (weight 0, no update) and receive its average, so from the next round on we are in step.
-                loss, tokens = float("nan"), 0
+                loss, tokens, idle = float("nan"), 0, 0.0
                 self.status.set(NodeState.OBSERVING, f"sitting in on round {averager.round} with weight 0")
             else:
                 if not self.leaving:
                     self.status.set(NodeState.TRAINING, f"inner steps of round {averager.round}")
                 if pending is not None:
-                    loss, tokens, inner_s = await pending
+                    loss, tokens, inner_s, began = await pending
                     pending = None
                 else:
-                    loss, tokens, inner_s = await inner_steps()
+                    loss, tokens, inner_s, began = await inner_steps()
+                idle = 0.0 if ended is None else max(began - ended, 0.0)
+                ended = began + inner_s
                 if checkpoint_due:  # the last round's, now that no step runs
                     self._checkpoint(trainer, averager)
                     checkpoint_due = False
@@ -593,7 +599,7 @@ class Node:
             speed = tokens / last_inner if tokens and last_inner > 0 else 0.0
             inner = 0.0 if observing else last_inner
             self._log_round(
-                outcome, loss, tokens, speed, inner, trainer.device, transport, sent, received, bpb, started
+                outcome, loss, tokens, speed, inner, idle, trainer.device, transport, sent, received, bpb, started
             )  # fmt: skip
             if averager.round % node.checkpoint_every == 0:
                 if pending is None:
@@ -669,8 +675,8 @@ class Node:
         return max(floor, 1.25 * slowest - last_inner)
 
     def _log_round(
-        self, outcome: RoundOutcome, loss: float, tokens: int, tokens_per_s: float, inner_s: float, device: str,
-        transport: Any, sent: int, received: int, bpb: float | None, started: float,
+        self, outcome: RoundOutcome, loss: float, tokens: int, tokens_per_s: float, inner_s: float, idle_s: float,
+        device: str, transport: Any, sent: int, received: int, bpb: float | None, started: float,
     ) -> None:  # fmt: skip
         group = outcome.group
         mine = dict(zip(group.members, group.weights, strict=True)).get(transport.peer_id, 0.0)
@@ -691,7 +697,10 @@ class Node:
             "tokens_per_s": round(tokens_per_s, 1),
             "inner_s": round(inner_s, 4),  # seconds of inner steps this round
             "wall_s": round(wall, 4),  # wall time since the last round line: inner steps, averaging, catching up
-            "utilisation": round(min(inner_s / wall, 1.0), 4) if wall > 0 else 0.0,  # share of it spent training
+            # The trainer's idle seconds between my last inner phase and this one (an exchange, an evaluation, a
+            # wait for the group; with node.overlap, hardly any), and the share of the time spent in inner steps.
+            "idle_s": round(idle_s, 4),
+            "utilisation": round(inner_s / (inner_s + idle_s), 4) if inner_s > 0 else 0.0,
             "token_share": round(mine / sum(group.weights), 6) if sum(group.weights) > 0 else 0.0,
             "bytes_sent": transport.counter.sent - sent,
             "bytes_received": transport.counter.received - received,

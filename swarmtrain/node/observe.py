@@ -59,7 +59,9 @@ class NodeMetrics:
         self.group_size = Gauge("swarmtrain_group_size", "Members of the last round's group.", registry=r)
         self.duration = Gauge("swarmtrain_round_duration_seconds", "Wall time of the last outer step.", registry=r)
         self.utilisation = Gauge(
-            "swarmtrain_utilisation", "Share of the last round's wall time spent in inner steps.", registry=r
+            "swarmtrain_utilisation",
+            "Share of the last round's time in inner steps (inner over inner plus idle seconds).",
+            registry=r,
         )
         self.peers = Gauge("swarmtrain_peers", "Peers in this node's view of the swarm (itself included).", registry=r)
         self.tokens = Counter("swarmtrain_tokens", "Tokens this node trained on and contributed.", registry=r)

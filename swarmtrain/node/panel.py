@@ -71,7 +71,7 @@ def render(snapshot: dict[str, Any], now: float | None = None) -> RenderableType
     grid.add_row("quality", quality)
     speed = f"{snapshot['tokens_per_s']:,.0f} tokens/s"
     if last.get("utilisation") is not None:
-        speed += f", {last['utilisation']:.0%} of the last round's wall time in inner steps"
+        speed += f", {last['utilisation']:.0%} of the last round's time in inner steps"
     grid.add_row("speed", speed)
     grid.add_row(
         "bytes",

@@ -54,6 +54,7 @@ HISTORY_KEYS = (  # per round in /status
     "elapsed_s",
     "inner_s",
     "wall_s",
+    "idle_s",
     "utilisation",
     "state",
 )

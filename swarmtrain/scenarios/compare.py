@@ -68,8 +68,7 @@ def compare(folders: list[Path], out: Path) -> Path:
     save_loss_axes(fig, axes, "held-out bits per byte (mean over nodes)", out / "compare.png")
     note = (
         "(median outer step: the outer step's duration in rounds with a group of two or more; utilisation: inner "
-        "steps over the nodes' lifetimes; in training: over the wall time between round lines, from each node's "
-        "second)"
+        "steps over the nodes' lifetimes; in training: over inner steps and the trainer's idle time between them)"
     )
     by_part = any(parts for _, parts in lines)  # a column only where some run has data.eval_parts
     header = [

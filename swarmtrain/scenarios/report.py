@@ -14,9 +14,9 @@ Definitions:
 - a joiner's time to contribute runs from its start to the logged end of its first round whose average took
   its tokens (token share > 0) together with at least one other node, applied;
 - compute utilisation is the time spent in inner steps over the wall time the node's processes lived (start-up,
-  waiting for peers and the final evaluation included); in training, over the wall time between each node's round
-  lines from its second on (each line's ``wall_s``): the steady state, where an exchange not hidden behind the
-  inner steps (``node.overlap``) costs it.
+  waiting for peers and the final evaluation included); in training, over the time from each node's first inner
+  phase to its last, that is its rounds' inner and idle seconds (``inner_s``, ``idle_s``): the steady state,
+  where an exchange not hidden behind the inner steps (``node.overlap``) costs it.
 """
 
 from __future__ import annotations
@@ -80,15 +80,15 @@ def summarize(run: dict[str, Any], events: list[dict[str, Any]], rows: list[dict
         mine = [r for r in rounds if r["node"] == life["node"] and r["incarnation"] == life["incarnation"]]
         lived = (life["ended"] or run["ended"]) - life["started"]
         inner = sum(r.get("inner_s", 0.0) for r in mine)
-        steady = mine[1:]  # the first round's line waited for the swarm to start
-        steady_inner, steady_wall = sum(r.get("inner_s", 0.0) for r in steady), sum(r["wall_s"] for r in steady)
+        timed = [r for r in mine if "idle_s" in r]  # (rows written before nodes logged their idle time have none)
+        timed_inner, idle = sum(r.get("inner_s", 0.0) for r in timed), sum(r["idle_s"] for r in timed)
         per_node.append({
             "node": label(life["node"], life["incarnation"]),
             "rounds": len(mine), "tokens": sum(r["tokens"] for r in mine),
             "bytes_sent": sum(r["bytes_sent"] for r in mine),
             "exit_code": life["exit_code"], "lived_s": round(lived, 3), "inner_s": round(inner, 3),
             "utilisation": round(inner / lived, 4) if lived > 0 else 0.0,
-            "steady_inner_s": round(steady_inner, 3), "steady_wall_s": round(steady_wall, 3),
+            "timed_inner_s": round(timed_inner, 3), "idle_s": round(idle, 3),
         })  # fmt: skip
     joiners = []
     for e in events:
@@ -105,7 +105,7 @@ def summarize(run: dict[str, Any], events: list[dict[str, Any]], rows: list[dict
                 "round": None if first is None else first["round"],
             })  # fmt: skip
     lived = sum(n["lived_s"] for n in per_node)
-    steady = sum(n["steady_wall_s"] for n in per_node)
+    training = sum(n["timed_inner_s"] + n["idle_s"] for n in per_node)
     return {
         "wall_s": round(wall, 3),
         "final_bpb": {k: finals[k] for k in sorted(finals)},
@@ -119,7 +119,7 @@ def summarize(run: dict[str, Any], events: list[dict[str, Any]], rows: list[dict
         "rounds_fallback": sum(o == "fallback" for o in outcomes.values()),
         "rounds_diverged": sum(o == "diverged" for o in outcomes.values()),
         "utilisation": round(sum(n["inner_s"] for n in per_node) / lived, 4) if lived > 0 else 0.0,
-        "utilisation_training": round(sum(n["steady_inner_s"] for n in per_node) / steady, 4) if steady > 0 else None,
+        "utilisation_training": round(sum(n["timed_inner_s"] for n in per_node) / training, 4) if training else None,
         "nodes": per_node,
         "joiners": joiners,
         "events": [e for e in events if e["action"] in ("join", "leave", "kill", "pause", "resume", "stop")],
@@ -133,7 +133,7 @@ def parts_mean(parts: dict[str, dict[str, float]]) -> dict[str, float]:
 
 
 def percent(share: float | None) -> str:
-    """A share as a percentage, or "-" where there is none (no node logged two rounds)."""
+    """A share as a percentage, or "-" where there is none."""
     return "-" if share is None else f"{share:.1%}"
 
 
@@ -150,7 +150,8 @@ def markdown(summary: dict[str, Any], spec_name: str, phases: bool) -> str:
         f"| rounds applied / fallback / diverged | {s['rounds_applied']} / {s['rounds_fallback']} / "
         f"{s['rounds_diverged']} of {s['rounds']} |",
         f"| compute utilisation (inner steps / wall time) | {s['utilisation']:.1%} |",
-        f"| compute utilisation in training (from each node's second round) | {percent(s['utilisation_training'])} |",
+        f"| compute utilisation in training (inner steps / inner steps and idle time) | "
+        f"{percent(s['utilisation_training'])} |",
         "", "## Nodes", "",
         "| node | rounds | tokens | bytes sent | lived s | inner s | utilisation | exit | final bpb |",
         "|---|---|---|---|---|---|---|---|---|",
