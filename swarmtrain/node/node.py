@@ -476,6 +476,7 @@ class Node:
         pending: asyncio.Task | None = None
         anchor = torch.empty(0)
         checkpoint_due = False
+        ended: float | None = None  # when my last inner phase ended: the trainer is idle from then to the next
 
         def timed_steps() -> tuple[float, int, float, float]:  # the loss, tokens, seconds, and when they began
             began = time.perf_counter()
@@ -484,16 +485,14 @@ class Node:
         def inner_steps() -> Awaitable[tuple[float, int, float, float]]:
             return asyncio.to_thread(timed_steps)
 
-        ended: float | None = None  # when my last inner phase ended: the trainer is idle from then to the next
-
         def time_up() -> bool:
             return config.train.max_time is not None and time.perf_counter() - started > config.train.max_time
 
         async def drop_pending() -> None:  # a round that did not end in step: its next steps train on as they are
-            nonlocal pending
+            nonlocal pending, ended
             if pending is not None:
-                await pending
-                pending = None
+                _, _, inner_s, began = await pending
+                pending, ended = None, began + inner_s
 
         while node.rounds == 0 or averager.round < node.rounds:
             if pending is None and (self.leaving or time_up()):
