@@ -12,7 +12,7 @@ from swarmtrain.averaging import Averager, gossip_groups, leader_candidates
 from swarmtrain.averaging.round import Phase
 from swarmtrain.compression import get_codec
 from swarmtrain.errors import IncompatibleSwarm
-from swarmtrain.net import MemoryNetwork, PeerUnreachable
+from swarmtrain.net import MemoryNetwork, PeerUnreachable, Rejected
 
 NUMEL = 10_000
 
@@ -371,3 +371,28 @@ async def test_two_members_that_take_each_other_for_leader_agree_on_one(head_sta
     outcomes = await asyncio.gather(observing, training)
     seen = [(o.outcome, o.group.members) for o in outcomes]
     assert seen == [("applied", ("peer0", "peer1"))] * 2, f"the two members averaged apart: {seen}"
+
+
+async def test_a_member_sent_on_to_a_leader_that_refuses_asks_the_one_that_sent_it_again() -> None:
+    """A peer that resumed from SIGSTOP is far behind and refuses every join; only one of the two others sees it
+    yet (its record was just republished). The one that sees it asks it first; the other asks that one meanwhile
+    and is sent on to the same peer, which refuses both. The one sent on must ask again the member that sent it,
+    which leads now. It took that member for tried and led a group of one: the two live members averaged apart and
+    one diverged (test_churn's frozen node, under load)."""
+    net, (behind, first, second) = make_swarm(3, min_deadline=0.5)
+    for a in (behind, first, second):
+        await a.start()
+
+    async def refuse(*args, **kwargs):  # a process just woken up: it answers late, and no
+        await asyncio.sleep(0.5)
+        raise Rejected("round 66 is too far ahead of this peer's round 4")
+
+    behind.matchmaker.on_join = refuse
+    live = [first.me, second.me]
+    sees_it = first.run_round(torch.ones(NUMEL), 1.0, [behind.me, *live], {behind.me, *live}, gather_timeout=1.0)
+    leading = asyncio.ensure_future(sees_it)
+    await asyncio.sleep(0.1)  # its join waits on the peer behind: its lobby sends joiners there
+    does_not = second.run_round(torch.ones(NUMEL), 1.0, live, set(live), gather_timeout=1.0)
+    outcomes = await asyncio.gather(leading, does_not)
+    seen = [(o.outcome, o.group.members) for o in outcomes]
+    assert seen == [("applied", ("peer1", "peer2"))] * 2, f"the two live members averaged apart: {seen}"

@@ -241,7 +241,11 @@ class Matchmaker:
             if "redirect" in answer:
                 target = answer["redirect"]
                 if isinstance(target, str) and target not in tried:
-                    queue.insert(0, target)
+                    # The candidate follows that leader; if it refuses me, it refuses the candidate too, who then
+                    # leads or follows its next one: ask the candidate again rather than skip it (skipped, it led
+                    # a group that waited for me while I led one of my own).
+                    tried.discard(candidate)
+                    queue[:0] = [target, candidate]
                 elif asyncio.get_running_loop().time() < retry_until:
                     tried.discard(candidate)
                     queue.insert(0, candidate)
