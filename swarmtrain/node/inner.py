@@ -49,7 +49,9 @@ class InnerLoop(ABC):
     device: str = "cpu"
     """Where the inner steps compute (``cpu``, ``cuda:0``, ``mps``)."""
 
-    def __init__(self) -> None:
+    def __init__(self, config: Config, val: np.ndarray) -> None:
+        self.config, self.val = config, val  # the model's settings and the held-out bytes (evaluate_theta)
+        self._copy: ByteTransformer | None = None  # evaluate_theta's model, made at its first use
         self._stopping = threading.Event()
         self._busy = threading.Lock()
         self._rebase: tuple[torch.Tensor, torch.Tensor] | None = None  # (theta_g, anchor) for the next step
@@ -105,8 +107,13 @@ class InnerLoop(ABC):
             self._rebase = (theta.detach().clone(), anchor)
 
     def evaluate_theta(self, theta: torch.Tensor) -> float:
-        """Held-out bits per byte of ``theta`` on a copy of the model, without waiting for a run in flight."""
-        raise NotImplementedError(f"{type(self).__name__} cannot evaluate beside its steps (node.overlap)")
+        """Held-out bits per byte of ``theta`` on a copy of the model (on the trainer's device), without waiting
+        for a run in flight. Both trainers' parameters are ``ByteTransformer(config.model)``'s."""
+        if self._copy is None:
+            self._copy = ByteTransformer(self.config.model).to(self.device)
+        with torch.no_grad():
+            vector_to_parameters(theta.detach().to(self.device, torch.float32, copy=True), self._copy.parameters())
+        return evaluate_bpb(self._copy, self.val, self.config, torch.device(self.device))
 
     def _apply_rebase(self) -> None:  # holding ``_busy``
         with self._rebase_lock:
@@ -164,11 +171,10 @@ class InnerLoop(ABC):
 
 class StandardLoop(InnerLoop):
     def __init__(self, config: Config, corpus: Corpus, data_seed: int) -> None:
-        super().__init__()
+        super().__init__(config, corpus.val)
         self.trainer = Trainer(config, corpus, data_seed=data_seed)
         self.shapes = [tuple(p.shape) for p in self.trainer.model.parameters()]
         self.device = str(self.trainer.device)
-        self._copy: ByteTransformer | None = None  # evaluate_theta's model
         log.info("inner steps by the standard trainer on %s", self.device)
 
     @property
@@ -190,14 +196,6 @@ class StandardLoop(InnerLoop):
     def _evaluate(self, val: np.ndarray | None) -> float:
         return self.trainer.evaluate(val)
 
-    def evaluate_theta(self, theta: torch.Tensor) -> float:
-        t = self.trainer
-        if self._copy is None:  # on the trainer's device, made once
-            self._copy = ByteTransformer(t.config.model).to(t.device)
-        with torch.no_grad():
-            vector_to_parameters(theta.detach().to(t.device, torch.float32, copy=True), self._copy.parameters())
-        return evaluate_bpb(self._copy, t.corpus.val, t.config, t.device)
-
     def state(self, theta_g: torch.Tensor) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         return self.trainer.state()  # the local model and AdamW: what `swarmtrain train` resumes from
 
@@ -217,8 +215,7 @@ class LocalTrainLoop(InnerLoop):
     def __init__(self, config: Config, corpus: Corpus, data_seed: int) -> None:
         from swarmtrain.localtrain import LocalTrainer
 
-        super().__init__()
-        self.config = config
+        super().__init__(config, corpus.val)
         self.trainer = LocalTrainer(config, corpus, config.localtrain, horizon=0, data_seed=data_seed)
         try:
             named = list(self.trainer.model.named_parameters())  # the pipeline is drained at step 0
