@@ -86,6 +86,7 @@ def test_overlap_needs_the_standard_trainer() -> None:
         load_config(flags={"node.overlap": True, "train.trainer": "localtrain"}, environ={})
 
 
+@pytest.mark.slow  # node processes for half a minute; the in-process tests above cover the merge itself
 def test_overlapped_nodes_agree_every_round_and_train_while_they_average(swarm: Swarm) -> None:
     """Three nodes whose exchange is slow (each message leaves 150 ms late) and whose inner phase is ~2 s of steps
     that sleep: with overlap, a round line follows the last after about one inner phase, not an inner phase and
