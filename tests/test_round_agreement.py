@@ -20,13 +20,13 @@ from swarmtrain.net import MemoryNetwork, PeerUnreachable
 NUMEL = 3_000
 
 
-def make_swarm(thetas: list[torch.Tensor], *, part_numel: int = 500):
+def make_swarm(thetas: list[torch.Tensor], *, part_numel: int = 500, min_deadline: float = 1.0):
     net = MemoryNetwork()
     averagers = [
         Averager(
             net.transport(f"peer{i}"), theta.clone(), run_id="test", group_size=16, outer_lr=1.0, outer_momentum=0.0,
             codec_up=get_codec("fp32"), codec_down=get_codec("fp32"), part_numel=part_numel,
-            min_deadline=1.0, deadline_factor=4.0,
+            min_deadline=min_deadline, deadline_factor=4.0,
         )
         for i, theta in enumerate(thetas)
     ]  # fmt: skip
@@ -176,7 +176,7 @@ async def test_what_a_shard_that_fell_back_carried_goes_back_into_the_residual_o
         Averager(
             net.transport(f"peer{i}"), torch.zeros(NUMEL), run_id="test", group_size=16, outer_lr=1.0,
             outer_momentum=0.0, codec_up=get_codec(codec), codec_down=get_codec(codec), part_numel=500,
-            min_deadline=1.0, deadline_factor=4.0,
+            min_deadline=min_deadline, deadline_factor=4.0,
         )
         for i in range(3)
     ]  # fmt: skip
@@ -240,8 +240,13 @@ async def test_a_member_cut_off_from_the_reports_sets_its_residual_to_the_groups
     """Nothing twice: peer2 sends its parts, then hears no report and no digest (its links to them break; it
     stays live). Alone, it sees every shard fall back and keeps all it sent in its residual, while peer0 and
     peer1 apply the round with peer2's update in it. Before its next round it asks them for the decision they
-    applied (``ledger``) and takes back out of its residual what the group did apply."""
-    net, averagers = make_swarm([torch.zeros(NUMEL) for _ in range(3)])
+    applied (``ledger``) and takes back out of its residual what the group did apply.
+
+    peer0 and peer1 wait for peer2's reports until about the exchange's deadline, so their digests have little
+    more than the digest exchange's floor (a tenth of the budget, half of it for the direct sends). A budget of
+    9 s leaves the direct sends about half a second, room for a loaded machine's stalls; with 3 s they had 0.15 s,
+    once too little under load, and both diverged."""
+    net, averagers = make_swarm([torch.zeros(NUMEL) for _ in range(3)], min_deadline=3.0)
     for a in averagers:
         await a.start()
 
