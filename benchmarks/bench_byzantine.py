@@ -3,7 +3,7 @@
     PYTHONPATH=. python benchmarks/bench_byzantine.py               # the README table's robust rows (~9 min, 2 cores)
     PYTHONPATH=. python benchmarks/bench_byzantine.py --with-mean   # and each attack against the plain mean (~13 min)
     PYTHONPATH=. python benchmarks/bench_byzantine.py --rounds 4 --kinds scale --hostile 2
-    PYTHONPATH=. python benchmarks/bench_byzantine.py --kinds bad-reducer --verify 3   # replicated reduction
+    PYTHONPATH=. python benchmarks/bench_byzantine.py --kinds bad-reducer --verify 1   # fewer checks than the default
 
 In process, over the in-memory transport (``MemoryNetwork``): eight real ``Averager``s and eight real trainers
 (``swarmtrain.node.inner``, the standard trainer) of one small model on the default corpus, trained in turn on
@@ -37,7 +37,7 @@ from swarmtrain.averaging.attack import KINDS, Attack
 from swarmtrain.averaging.robust import parse_aggregator
 from swarmtrain.averaging.signing import RoundSigner
 from swarmtrain.compression import get_codec
-from swarmtrain.config import Config
+from swarmtrain.config import PUBLIC_VERIFY, Config
 from swarmtrain.data import load_corpus
 from swarmtrain.dht.identity import peer_id_of
 from swarmtrain.net import MemoryNetwork
@@ -133,8 +133,9 @@ def main() -> None:
         "--with-mean", action="store_true", help="also run each attack against the plain mean (first hostile count)"
     )
     parser.add_argument(
-        "--verify", type=float, default=1.0, help="averaging.verify of every member (bad-reducer is caught by it)"
-    )
+        "--verify", type=float, default=PUBLIC_VERIFY,
+        help="averaging.verify of every member (bad-reducer is caught by it); default: a public swarm's",
+    )  # fmt: skip
     parser.add_argument("--threads", type=int, default=1, help="torch threads (1 was fastest on 2 busy cores)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.ERROR)  # the refused payloads of the hostile members are expected here

@@ -175,3 +175,22 @@ async def test_a_reducer_keeps_what_it_averaged_for_checkers_and_a_tampered_copy
     del a.kept[b.index, 0]
     problem = b._check_evidence(a.index, 0, 0, end - start, a.on_evidence(b.me, {"shard": a.index, "part": 0}))
     assert problem == "it showed 0 of the 1 contributions its result includes"
+
+
+def test_a_public_swarm_checks_reducers_by_default_and_a_private_one_does_not() -> None:
+    """``averaging.verify = auto``: 3 checks a round in a public swarm (strangers may reduce a shard), none in a
+    private one (its members are trusted); the value nodes publish and compare is the resolved one, so a node
+    that says 3 joins a public swarm of nodes that say auto. A bad value names the key and what it takes."""
+    from swarmtrain.config import ConfigError, load_config
+    from swarmtrain.node.settings import swarm_settings
+
+    allowed = "node.allow_peers=['QmYyQSo1c1Ym7orWxLYvCrM2EmxFTANf8wXmmE7DWjhx5N']"
+    public, private = load_config(environ={}), load_config(overrides=[allowed], environ={})
+    assert public.averaging.verify == private.averaging.verify == "auto"
+    assert (public.verify, private.verify) == (3.0, 0.0)
+    explicit = load_config(overrides=["averaging.verify=3"], environ={})
+    assert swarm_settings(public)["averaging.verify"] == swarm_settings(explicit)["averaging.verify"] == 3.0
+    assert load_config(overrides=["averaging.verify=0.5"], environ={}).verify == 0.5
+    for bad in ("-1", "300", "sometimes", "true"):
+        with pytest.raises(ConfigError, match=r"averaging\.verify = .* is invalid .*: expected auto or a number"):
+            load_config(overrides=[f"averaging.verify={bad}"], environ={})

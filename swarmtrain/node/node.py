@@ -210,7 +210,7 @@ class Node:
                 fail_at=avg.fail_at, test_skew_at=avg.test_skew_at, error_feedback=avg.error_feedback,
                 shapes=trainer.shapes,
                 aggregator=parse_aggregator(avg.aggregator, private=node.private), attack=attack,
-                ban_rounds=avg.ban_rounds, signer=RoundSigner(private_key), verify=avg.verify,
+                ban_rounds=avg.ban_rounds, signer=RoundSigner(private_key), verify=config.verify,
             )  # fmt: skip
             self._trainer, self._averager = trainer, averager
             if checkpoint is not None:

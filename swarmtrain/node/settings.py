@@ -87,7 +87,7 @@ def swarm_settings(config: Config, trains: bool = True) -> dict[str, Any]:
         "averaging.outer_momentum": avg.outer_momentum, "averaging.part_numel": avg.part_numel,
         # A member that checks a reducer recomputes the reducer's part with its own aggregator.
         "averaging.aggregator": parse_aggregator(avg.aggregator, private=config.node.private).spec,
-        "averaging.verify": avg.verify, "averaging.weighting": avg.weighting,
+        "averaging.verify": config.verify, "averaging.weighting": avg.weighting,
     })  # fmt: skip
     return settings
 
