@@ -24,7 +24,8 @@ from swarmtrain.fsutil import atomic_write_bytes
 
 ENV_PREFIX = "SWARMTRAIN_"
 # averaging.verify = auto in a public swarm: with 3 checks a round, 2 or 3 bad reducers of 8 cost the model under
-# 3 % (README, Replicated reduction), at about 3 / g of a compressed update more per member and round.
+# 3 % (README, Replicated reduction). Each check downloads g contributions of one part: for a small model (a shard is
+# one part) a whole compressed update.
 PUBLIC_VERIFY = 3.0
 
 
@@ -277,7 +278,8 @@ class AveragingConfig(_Section):
     each signed by its sender, recomputes the part and, if the result differs, withholds the shard (no member
     applies it) and bans the reducer. In a group of g with h honest members, a reducer that alters its shard is
     caught in a round with probability 1 - (1 - verify / (g - 1)) ** h; verify = g - 1 checks every shard. Each
-    check costs about g parts of traffic: per member and round about verify / g of a compressed update. auto: 0
+    check downloads the g signed contributions to one part (a whole compressed update where a shard is one part,
+    as for models up to g x part_numel parameters). auto: 0
     (no checks) in a private swarm, 3 in a public one. Every node of a swarm needs the same value (dense codecs
     only: sparse and low-rank payloads are averaged by every member, with no reducer)."""
     ban_rounds: int = Field(10, ge=0, le=1_000_000)

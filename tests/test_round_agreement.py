@@ -176,7 +176,7 @@ async def test_what_a_shard_that_fell_back_carried_goes_back_into_the_residual_o
         Averager(
             net.transport(f"peer{i}"), torch.zeros(NUMEL), run_id="test", group_size=16, outer_lr=1.0,
             outer_momentum=0.0, codec_up=get_codec(codec), codec_down=get_codec(codec), part_numel=500,
-            min_deadline=min_deadline, deadline_factor=4.0,
+            min_deadline=1.0, deadline_factor=4.0,
         )
         for i in range(3)
     ]  # fmt: skip

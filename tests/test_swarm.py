@@ -58,10 +58,17 @@ def test_four_nodes_agree_bit_for_bit_after_every_round(swarm: Swarm, codec: str
     # fp16 butterfly: each node sends 2 (n - 1) / n of a 2-byte payload per parameter. Top-k all-gather: n - 1
     # copies of its own payload. Both plus small messages (group, reports, digests: a few kB), each report and
     # digest to each of the 3 others with its signature and key (about 750 bytes).
+    # A public swarm checks reducers (averaging.verify = auto: 3 parts a round): in a group of 4 each node checks
+    # the one part of each other shard, all ok, and as a reducer serves its 4 signed contributions to each of the 3
+    # others: 3 x 4 x n / 4 more fp16 values sent, 6 bytes per parameter, and a signature and key with each part
+    # and each contribution served. Top-k has no reducer: nothing is checked.
     numel = rows[0]["bytes_sent"] / rows[0]["bytes_per_param"]
-    ideal = 2 * 0.75 * 2 if codec == "fp16" else 3 * get_codec(codec).payload_size(int(numel)) / numel
-    small = 8_000 + 2 * 3 * 800
+    ideal = 2 * 0.75 * 2 + 3 * 2 if codec == "fp16" else 3 * get_codec(codec).payload_size(int(numel)) / numel
+    small = 8_000 + 2 * 3 * 800 + (3 + 3 * 4) * 800 * (codec == "fp16")
     assert all(ideal <= r["bytes_per_param"] < ideal * 1.1 + small / numel for r in rows), rows
+    checked = [[(c["shard"], c["outcome"]) for c in r.get("checked", [])] for r in rows]
+    checks = 3 if codec == "fp16" else 0  # three distinct other shards, each found right
+    assert all(len({j for j, _ in c}) == len(c) == checks and {o for _, o in c} <= {"ok"} for c in checked), checked
     final = [r for r in swarm.metrics("n1") if r["kind"] == "final"][0]
     # fp16 learns in 5 rounds of 3 steps (7.58-7.59 held-out bits per byte in three loaded runs). Top-k sends 1 %
     # of the update a round, so the model barely leaves the 8 bits of a uniform guess (7.9990-8.0000 in the same
