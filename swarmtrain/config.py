@@ -279,9 +279,9 @@ class AveragingConfig(_Section):
     applies it) and bans the reducer. In a group of g with h honest members, a reducer that alters its shard is
     caught in a round with probability 1 - (1 - verify / (g - 1)) ** h; verify = g - 1 checks every shard. Each
     check downloads the g signed contributions to one part (a whole compressed update where a shard is one part,
-    as for models up to g x part_numel parameters). auto: 0
-    (no checks) in a private swarm, 3 in a public one. Every node of a swarm needs the same value (dense codecs
-    only: sparse and low-rank payloads are averaged by every member, with no reducer)."""
+    as for models up to g x part_numel parameters). auto: 0 (no checks) in a private swarm, 3 in a public one.
+    Every node of a swarm needs the same value (dense codecs only: sparse and low-rank payloads are averaged by
+    every member, with no reducer)."""
     ban_rounds: int = Field(10, ge=0, le=1_000_000)
     """Rounds a peer caught sending an invalid payload (malformed, non-finite, out of bounds) is left out of this
     node's groups, with the reason logged; 0 bans nobody."""

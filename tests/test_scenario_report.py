@@ -29,7 +29,8 @@ def folder(tmp_path: Path) -> Path:
     """Two nodes for 20 s; a third joins at 6 s, trains solo once, then contributes at 12 s; a kill at 9 s."""
     phases = {"group_s": 0.5, "transfer_s": 0.25}
     _write(tmp_path, "nodes/node0", [
-        _round(0, 4, phases=phases), _round(1, 8, "fallback", phases=phases), _round(2, 12, "fallback", group=3),
+        _round(0, 4, phases=phases), _round(1, 8, "fallback", phases=phases),
+        _round(2, 12, "fallback", group=3, excluded=["Qm-node1"]),
         {"kind": "final", "round": 3, "time": T0 + 19, "bpb": 5.5, "tokens": 300},
     ])  # fmt: skip
     _write(tmp_path, "nodes/node1", [_round(0, 4.1), _round(1, 8.1, "diverged-resynced")])
@@ -60,6 +61,7 @@ def test_the_summary_counts_rounds_by_their_worst_outcome_and_times_the_joiner(f
     summary_md = write_report(folder)
     s = json.loads((folder / "summary.json").read_text())
     assert (s["rounds"], s["rounds_applied"], s["rounds_fallback"], s["rounds_diverged"]) == (3, 1, 1, 1)
+    assert s["rounds_short"] == 1  # round 2 went on without node1, killed in it
     assert s["tokens"] == 700 and s["bytes_sent"] == 7000
     assert s["final_bpb"] == {"node0": 5.5, "node2": 5.25} and s["final_bpb_mean"] == pytest.approx(5.375)
     assert s["utilisation"] == pytest.approx(7 * 2.0 / (20 + 10 + 14), abs=1e-4)  # inner s / lifetimes
@@ -79,6 +81,7 @@ def test_the_summary_counts_rounds_by_their_worst_outcome_and_times_the_joiner(f
     assert len(merged) == 9 and [r["t"] for r in merged] == sorted(r["t"] for r in merged)
     text = summary_md.read_text()
     assert "| rounds applied / fallback / diverged | 1 / 1 / 1 of 3 |" in text
+    assert "| rounds that left a member out (it died, was late past a deadline or was refused) | 1 of 3 |" in text
     assert "| node2 | 6.0 | 12.0 | 6.0 | 2 |" in text and "| 9.0 | kill | node1 |" in text
     for plot in ("loss.png", "members.png", "phases.png"):
         assert (folder / plot).read_bytes()[:4] == b"\x89PNG", plot

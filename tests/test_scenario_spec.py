@@ -198,13 +198,13 @@ def test_every_shipped_scenario_passes_check(path: Path) -> None:
 
 def test_each_lab_names_shipped_scenarios_and_a_lab_that_does_not_exist_is_refused() -> None:
     script = Path(__file__).parent.parent / "scenarios" / "lab.sh"
-    labs = dict(re.findall(r'^\s+(\d|links|noniid)\) runs="([^"]+)"', script.read_text(), flags=re.M))
-    assert sorted(labs) == ["1", "2", "3", "5", "links", "noniid"], labs
+    labs = dict(re.findall(r'^\s+(\w+)\) runs="([^"]+)"', script.read_text(), flags=re.M))
+    assert sorted(labs) == ["1", "2", "3", "4", "5", "links", "noniid", "overlap"], labs
     for lab, runs in labs.items():
         for run in runs.split():
             assert load_spec(script.parent / f"{run}.toml").nodes, (lab, run)  # exists and is a valid scenario
     done = subprocess.run(["bash", str(script), "9"], capture_output=True, text=True, timeout=30)
-    assert done.returncode == 2 and "usage: scenarios/lab.sh 1|2|3|5|links|noniid" in done.stderr, done
+    assert done.returncode == 2 and "usage: scenarios/lab.sh 1|2|3|4|5|links|noniid|overlap" in done.stderr, done
 
 
 def test_a_node_whose_data_or_folders_do_not_exist_is_refused_at_check_naming_the_key(tmp_path: Path) -> None:

@@ -5,9 +5,9 @@
 Reads what the runner left in the folder (``run.json``, ``events.jsonl``, each node's ``metrics.jsonl``) and
 writes ``metrics.jsonl`` (every node's rows, with ``node``, ``incarnation`` and ``t``: seconds since the
 scenario started), ``summary.json`` and ``summary.md`` (final held-out bpb, tokens, bytes, rounds applied /
-fallback / diverged, time to contribute for each joiner, compute utilisation) and the plots ``loss.png``
-(held-out bpb against wall time, tokens and bytes sent), ``members.png`` (members over time, events marked)
-and ``phases.png`` (per-round duration split into phases, when the nodes logged phases).
+fallback / diverged, rounds that left a member out, time to contribute for each joiner, compute utilisation)
+and the plots ``loss.png`` (held-out bpb against wall time, tokens and bytes sent), ``members.png`` (members
+over time, events marked) and ``phases.png`` (per-round duration split into phases, when the nodes logged phases).
 
 Definitions:
 - a round's outcome is the worst over the rows all nodes logged for it: diverged, else fallback, else applied;
@@ -118,6 +118,9 @@ def summarize(run: dict[str, Any], events: list[dict[str, Any]], rows: list[dict
         "rounds_applied": sum(o == "applied" for o in outcomes.values()),
         "rounds_fallback": sum(o == "fallback" for o in outcomes.values()),
         "rounds_diverged": sum(o == "diverged" for o in outcomes.values()),
+        # Rounds whose group lost a member on the way (it died, was late past a deadline or sent something its
+        # group refused): the churn lab's "deadlines hit".
+        "rounds_short": len({r["round"] for r in rounds if r.get("excluded")}),
         "utilisation": round(sum(n["inner_s"] for n in per_node) / lived, 4) if lived > 0 else 0.0,
         "utilisation_training": round(sum(n["timed_inner_s"] for n in per_node) / training, 4) if training else None,
         "nodes": per_node,
@@ -149,6 +152,8 @@ def markdown(summary: dict[str, Any], spec_name: str, phases: bool) -> str:
         f"| bytes sent (all nodes) | {s['bytes_sent']:,} |",
         f"| rounds applied / fallback / diverged | {s['rounds_applied']} / {s['rounds_fallback']} / "
         f"{s['rounds_diverged']} of {s['rounds']} |",
+        f"| rounds that left a member out (it died, was late past a deadline or was refused) | "
+        f"{s['rounds_short']} of {s['rounds']} |",
         f"| compute utilisation (inner steps / wall time) | {s['utilisation']:.1%} |",
         f"| compute utilisation in training (inner steps / inner steps and idle time) | "
         f"{percent(s['utilisation_training'])} |",
