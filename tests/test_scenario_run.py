@@ -166,6 +166,64 @@ def test_a_scenario_with_a_kill_a_pause_and_a_join_reports_what_its_nodes_logged
     assert "| kill | node1 |" in text and "| join | node3 |" in text
 
 
+LATE_SPEC = """\
+[swarm]
+nodes = 3
+rounds = 2
+inner_steps = 3
+model = "tiny"
+data = "{data}"
+timeout_s = 400
+
+[config]
+train.batch_size = 4
+train.threads = 1
+train.eval_batches = 1
+node.heartbeat_s = 0.5
+node.record_ttl_s = 3
+averaging.min_gather_s = 3
+averaging.min_deadline_s = 8
+
+[nodes.node2]
+start = false
+
+[[event]]
+at_round = 1
+action = "join"
+nodes = ["node2"]
+
+[[event]]
+at_round = 1
+action = "pause"
+nodes = ["node2"]
+"""
+
+
+def test_a_node_that_comes_too_late_for_the_swarms_rounds_is_stopped_once_the_others_have_finished(
+    tmp_path: Path, text_file: Path
+) -> None:
+    """node0 and node1 run the scenario's 2 rounds and leave; node2, started during them and paused at once, never
+    takes part in a round. Resumed with no one left it would wait for peers in vain, as a node that comes back
+    after the swarm's last round does: the runner stops it once the others are gone, instead of resuming it and
+    waiting out the scenario's timeout."""
+    spec = tmp_path / "late.toml"
+    spec.write_text(LATE_SPEC.format(data=text_file))
+    out = tmp_path / "out"
+    args = [sys.executable, "-m", "swarmtrain", "scenario", "run", str(spec), "--out", str(out)]
+    started = time.monotonic()
+    proc = _run(args, tmp_path / "runner.log", 300 * slowdown())
+    log = (tmp_path / "runner.log").read_text()
+    assert proc.returncode == 0, log[-3000:]
+    assert "the swarm finished its 2 rounds before node2 took part in one: they leave" in log, log
+    assert time.monotonic() - started < 250 * slowdown()  # not the node's 600 s wait for peers, nor the timeout
+    lives = {life["node"]: life for life in json.loads((out / "run.json").read_text())["nodes"]}
+    assert lives["node0"]["exit_code"] == lives["node1"]["exit_code"] == 0, lives
+    assert lives["node2"]["exit_code"] is not None  # gone (it was stopped as it started: it may not have a handler)
+    stops = [e["node"] for e in _rows(out / "events.jsonl") if e["action"] == "stop"]
+    assert stops == ["node2"], stops
+    assert not [r for r in _rows(out / lives["node2"]["run_dir"] / "metrics.jsonl") if r["kind"] == "round"]
+
+
 def test_ctrl_c_stops_every_process_the_scenario_started(tmp_path: Path, text_file: Path) -> None:
     spec = tmp_path / "long.toml"
     spec.write_text(SPEC.format(data=text_file).replace("rounds = 6", "rounds = 1000"))

@@ -272,7 +272,14 @@ class Runner:
                     f"{len(self.alive())} nodes still running; raise [swarm] timeout_s or shorten the run."
                 )
             if spec.wall_time_s is not None and now >= spec.wall_time_s and not self.stopping:
-                self.stop_all(now)
+                self.stop_all(now, f"wall time {spec.wall_time_s:g} s reached: every node leaves")
+                continue
+            late = [n for n in self.alive() if n not in self.contributing]
+            if spec.rounds and self.rounds_done >= spec.rounds and late == self.alive() and not self.stopping:
+                # The swarm logged its last round and every node that trained has left: the nodes still running
+                # came back too late to take part (they would wait node.min_peers_timeout_s for peers in vain).
+                self.stop_all(now, f"the swarm finished its {spec.rounds} rounds before {' '.join(late)} took part "
+                                   "in one: they leave")  # fmt: skip
                 continue
             if self.stopping:
                 if now > self.stop_deadline:
@@ -287,10 +294,11 @@ class Runner:
                     self.apply(Firing("resume", name, "end of the timeline"))
                     self.states[name] = "running"
 
-    def stop_all(self, now: float) -> None:
-        """The end of a wall-time scenario: every node leaves gracefully (paused ones are resumed first)."""
+    def stop_all(self, now: float, why: str) -> None:
+        """The end of a scenario's time, or of its rounds for nodes too late to take part: every node left leaves
+        gracefully (paused ones are resumed first)."""
         self.stopping = True
-        self.say(f"wall time {self.spec.wall_time_s:g} s reached: every node leaves")
+        self.say(why)
         for name in self.alive():
             proc = self.current(name).proc
             self.procs.signal_group(proc, signal.SIGCONT)
