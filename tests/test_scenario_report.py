@@ -64,6 +64,7 @@ def test_the_summary_counts_rounds_by_their_worst_outcome_and_times_the_joiner(f
     assert s["rounds_short"] == 1  # round 2 went on without node1, killed in it
     assert s["tokens"] == 700 and s["bytes_sent"] == 7000
     assert s["final_bpb"] == {"node0": 5.5, "node2": 5.25} and s["final_bpb_mean"] == pytest.approx(5.375)
+    assert (s["final_round"], s["final_in_step"]) == (3, ["node0", "node2"])
     assert s["utilisation"] == pytest.approx(7 * 2.0 / (20 + 10 + 14), abs=1e-4)  # inner s / lifetimes
     # In training: inner s over inner and idle s (node2 idle only 0.5 s before its last round).
     assert s["utilisation_training"] == pytest.approx(7 * 2.0 / (7 * 2.0 + 6 * 2.0 + 0.5), abs=1e-4)
@@ -160,6 +161,21 @@ def test_a_node_back_as_a_new_process_reports_the_final_bpb_of_its_last_process(
     assert "| node1 | 2 | 200 |" in text and "| -9 | - |" in text  # the killed first process has no final bpb
     assert "| node1.2 | 1 | 100 | 1,000 | 9.0 | 2.0 | 22.2% | 0 | 5.0000 |" in text
     assert [j["node"] for j in s["joiners"]] == ["node2", "node1.2"]
+
+
+def test_a_node_that_ended_behind_the_swarms_last_round_is_listed_but_left_out_of_the_mean(folder: Path) -> None:
+    """node1 came back as the swarm finished and ended at round 0 with the initial model (8.1 bpb): the mean is the
+    swarm's model, over the nodes that ended in its last round."""
+    _write(folder, "nodes/node1.2", [{"kind": "final", "round": 0, "time": T0 + 19, "bpb": 8.1}])
+    run = json.loads((folder / "run.json").read_text())
+    run["nodes"].append({"node": "node1", "incarnation": 2, "run_dir": "nodes/node1.2", "started": T0 + 15,
+                         "ended": T0 + 20, "exit_code": 0})  # fmt: skip
+    (folder / "run.json").write_text(json.dumps(run))
+    text = write_report(folder).read_text()
+    s = json.loads((folder / "summary.json").read_text())
+    assert s["final_bpb"] == {"node0": 5.5, "node1.2": 8.1, "node2": 5.25}
+    assert s["final_in_step"] == ["node0", "node2"] and s["final_bpb_mean"] == pytest.approx(5.375)
+    assert "| final held-out bpb (mean of 2 nodes in round 3; node1.2 ended behind, left out) | 5.3750 |" in text
 
 
 def test_held_out_bpb_by_part_is_tabled_per_node_and_compared_only_where_a_run_has_parts(

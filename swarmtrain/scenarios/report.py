@@ -73,6 +73,10 @@ def summarize(run: dict[str, Any], events: list[dict[str, Any]], rows: list[dict
         r for r in rows if r["kind"] == "final" and r["incarnation"] == last[r["node"]] and r["bpb"] is not None
     ]
     finals = {label(r["node"], r["incarnation"]): r["bpb"] for r in last_rows}
+    # The swarm's model is what the nodes that ended in its last round hold; a node that ended behind (back too
+    # late to catch up) holds an older model, and is listed but left out of the mean.
+    last_round = max((r["round"] for r in last_rows), default=0)
+    in_step = [label(r["node"], r["incarnation"]) for r in last_rows if r["round"] == last_round]
     parts = {label(r["node"], r["incarnation"]): r["bpb_parts"] for r in last_rows if r.get("bpb_parts")}
     outcomes = round_outcomes(rows)
     per_node = []
@@ -109,7 +113,9 @@ def summarize(run: dict[str, Any], events: list[dict[str, Any]], rows: list[dict
     return {
         "wall_s": round(wall, 3),
         "final_bpb": {k: finals[k] for k in sorted(finals)},
-        "final_bpb_mean": statistics.fmean(finals.values()) if finals else None,
+        "final_bpb_mean": statistics.fmean(finals[k] for k in in_step) if in_step else None,
+        "final_round": last_round,
+        "final_in_step": sorted(in_step),
         "final_bpb_parts": {k: parts[k] for k in sorted(parts)},  # data.eval_parts: each part and "all"
         "final_bpb_parts_mean": parts_mean(parts),
         "tokens": sum(r["tokens"] for r in rounds),
@@ -135,6 +141,12 @@ def parts_mean(parts: dict[str, dict[str, float]]) -> dict[str, float]:
     return {name: statistics.fmean(p[name] for p in parts.values() if name in p) for name in names}
 
 
+def behind(summary: dict[str, Any]) -> str:
+    """The nodes that ended behind the swarm's last round, as a clause for the final bpb's row."""
+    late = sorted(set(summary["final_bpb"]) - set(summary["final_in_step"]))
+    return f"; {', '.join(late)} ended behind, left out" if late else ""
+
+
 def percent(share: float | None) -> str:
     """A share as a percentage, or "-" where there is none."""
     return "-" if share is None else f"{share:.1%}"
@@ -147,7 +159,8 @@ def markdown(summary: dict[str, Any], spec_name: str, phases: bool) -> str:
         f"# Scenario {spec_name}", "",
         "| | |", "|---|---|",
         f"| wall time | {s['wall_s']:.1f} s |",
-        f"| final held-out bpb (mean of {len(s['final_bpb'])} nodes) | {mean} |",
+        f"| final held-out bpb (mean of {len(s['final_in_step'])} nodes in round {s['final_round']}"
+        f"{behind(s)}) | {mean} |",
         f"| tokens trained (all nodes) | {s['tokens']:,} |",
         f"| bytes sent (all nodes) | {s['bytes_sent']:,} |",
         f"| rounds applied / fallback / diverged | {s['rounds_applied']} / {s['rounds_fallback']} / "
