@@ -15,24 +15,30 @@ import pytest
 
 from .swarm import child_setup, slowdown
 
-SPEC = """\
+# Three nodes of the tiny model, quick rounds: what both scenarios below share.
+SWARM = """\
 [swarm]
 nodes = 3
-rounds = 6
+rounds = {rounds}
 inner_steps = 3
 model = "tiny"
-data = "{data}"
+data = "{{data}}"
 timeout_s = 400
 
 [config]
 train.batch_size = 4
 train.threads = 1
 train.eval_batches = 1
-node.test_step_delay_s = 0.2
 node.heartbeat_s = 0.5
 node.record_ttl_s = 3
 averaging.min_gather_s = 3
 averaging.min_deadline_s = 8
+"""
+
+SPEC = (
+    SWARM.format(rounds=6)
+    + """\
+node.test_step_delay_s = 0.2
 
 [nodes.node3]
 start = false
@@ -57,6 +63,7 @@ at_round = 3
 action = "resume"
 nodes = ["node2"]
 """
+)
 
 pytestmark = pytest.mark.slow
 
@@ -170,23 +177,9 @@ def test_a_scenario_with_a_kill_a_pause_and_a_join_reports_what_its_nodes_logged
     assert "| kill | node1 |" in text and "| join | node3 |" in text
 
 
-LATE_SPEC = """\
-[swarm]
-nodes = 3
-rounds = 2
-inner_steps = 3
-model = "tiny"
-data = "{data}"
-timeout_s = 400
-
-[config]
-train.batch_size = 4
-train.threads = 1
-train.eval_batches = 1
-node.heartbeat_s = 0.5
-node.record_ttl_s = 3
-averaging.min_gather_s = 3
-averaging.min_deadline_s = 8
+LATE_SPEC = (
+    SWARM.format(rounds=2)
+    + """\
 
 [nodes.node2]
 start = false
@@ -201,6 +194,7 @@ at_round = 1
 action = "pause"
 nodes = ["node2"]
 """
+)
 
 
 def test_a_node_that_comes_too_late_for_the_swarms_rounds_is_stopped_once_the_others_have_finished(
