@@ -162,6 +162,12 @@ class NodeConfig(_Section):
     link on one machine (a scenario's link up_ms); 0: none. The DHT's own messages are not delayed."""
     down_delay_ms: float = Field(0.0, ge=0.0, le=10_000.0)
     """The same for each message this node receives (a scenario's link down_ms)."""
+    up_mbit: float = Field(0.0, ge=0.0, le=1_000_000.0)
+    """Pace what this node sends over the round protocol and state transfer at this many Mbit/s, to try a narrow
+    link on one machine without root (a scenario's link up_mbit; as root scenarios shape in the kernel); 0: no
+    limit. The DHT's own messages are not paced."""
+    down_mbit: float = Field(0.0, ge=0.0, le=1_000_000.0)
+    """The same for what this node receives (a scenario's link down_mbit)."""
     join: list[str] = Field(default_factory=list)
     """Multiaddrs of peers already in the swarm (with /p2p/<peer id>); empty starts a new swarm."""
     identity: str | None = None

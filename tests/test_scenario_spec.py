@@ -168,6 +168,23 @@ def test_link_delays_reach_each_node_as_its_transport_delays(tmp_path: Path) -> 
     assert not any("delay_ms" in arg for arg in second)
 
 
+def test_without_kernel_shaping_link_rates_reach_each_node_as_its_own_pacing(tmp_path: Path) -> None:
+    """[swarm] shaper = transport (what auto picks without root): no namespace; each node paces its own messages
+    at its link's rates (node.up_mbit, node.down_mbit; the pacing's rate: test_link_delay.py). A loss, a link event
+    or a partition needs the kernel: that spec is refused naming the key, and auto gives it the kernel."""
+    text = '[swarm]\nnodes = 2\nrounds = 3\nshaper = "{}"\n[nodes.node1]\nlink = {{ up_mbit = 20, down_mbit = 8 }}\n'
+    spec = parse_spec(text.format("transport"))
+    runner = Runner(spec, tmp_path)
+    assert spec.shaped and not runner.kernel_shapes()
+    first, second = (runner.node_args(n, tmp_path, True, False) for n in ("node0", "node1"))
+    assert "node.up_mbit=20.0" in second and "node.down_mbit=8.0" in second
+    assert not any("mbit" in arg for arg in first)
+    lossy = text + "[nodes.node0]\nlink = {{ up_loss = 0.01 }}\n"
+    assert _error(lossy.format("transport")).startswith("scenario error: bad.toml:4: swarm.shaper: = transport paces")
+    assert Runner(parse_spec(lossy.format("auto")), tmp_path).kernel_shapes()
+    assert _error(text.format("fast")).startswith("scenario error: bad.toml:4: swarm.shaper: must be one of auto,")
+
+
 @pytest.mark.parametrize(
     ("text", "expected"),
     [

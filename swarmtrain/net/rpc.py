@@ -212,6 +212,8 @@ class P2PTransport(Transport):
         auth: SwarmAuth = PUBLIC,
         up_delay_s: float = 0.0,
         down_delay_s: float = 0.0,
+        up_mbit: float = 0.0,
+        down_mbit: float = 0.0,
     ) -> None:
         self.p2p = p2p
         self.peer_id = p2p.peer_id.to_base58()
@@ -224,6 +226,10 @@ class P2PTransport(Transport):
         # header down the stream, so a streamed call is late once, as on a long pipe, not once per frame.
         self.up_delay_s = up_delay_s
         self.down_delay_s = down_delay_s
+        # A narrow link on one machine without root (node.up_mbit, node.down_mbit): frames go out, and are read,
+        # no faster than the rate allows, one after another over all of this node's calls.
+        self.up = Pacer(up_mbit)
+        self.down = Pacer(down_mbit)
 
     async def call_stream(
         self,
@@ -251,9 +257,11 @@ class P2PTransport(Transport):
         try:
             _, reader, writer = await self.p2p.call_binary_stream_handler(PeerID.from_base58(peer), _PREFIX + method)
             await _late(self.up_delay_s)
+            await self.up.wait(len(packed))
             self.counter.sent += write_frame(writer, packed)
             sent = 0
             async for frame in frames:
+                await self.up.wait(len(frame))
                 self.counter.sent += write_frame(writer, memoryview(frame))
                 await writer.drain()
                 sent += 1
@@ -263,6 +271,7 @@ class P2PTransport(Transport):
             raw = await read_frame(reader, MAX_HEADER)
             response_body = await read_frame(reader, limit)  # refused after its 8-byte length if over the bound
             self.counter.received += 2 * _LEN_BYTES + len(raw) + len(response_body)
+            await self.down.wait(len(raw) + len(response_body))
             response = unpack_header(raw)
             await _late(self.down_delay_s)
         except (ConnectionError, asyncio.IncompleteReadError, OSError) as exc:
@@ -291,6 +300,7 @@ class P2PTransport(Transport):
                 return
             try:
                 raw = await read_frame(reader, MAX_HEADER)
+                await self.down.wait(len(raw))
                 await _late(self.down_delay_s)
                 self.counter.received += _LEN_BYTES + len(raw)
                 header = unpack_header(raw)
@@ -319,6 +329,7 @@ class P2PTransport(Transport):
                             raise
                         consumed += 1
                         self.counter.received += _LEN_BYTES + len(data)
+                        await self.down.wait(len(data))
                         yield data
 
                 response, response_body = await run_handler(handler, method, remote, header, frames())
@@ -328,7 +339,9 @@ class P2PTransport(Transport):
                     consumed += 1
                     self.counter.received += _LEN_BYTES + len(await read_frame(reader, max_body))
                 await _late(self.up_delay_s)
-                self.counter.sent += write_frame(writer, pack_header(response)) + write_frame(writer, response_body)
+                packed = pack_header(response)
+                await self.up.wait(len(packed) + len(response_body))
+                self.counter.sent += write_frame(writer, packed) + write_frame(writer, response_body)
                 await writer.drain()
             except BadMessage as exc:
                 log.warning("rejected %s from %s: %s", method, remote[-8:], exc)
@@ -343,6 +356,22 @@ class P2PTransport(Transport):
                 writer.close()
 
         await self.p2p.add_binary_stream_handler(_PREFIX + method, on_stream)
+
+
+class Pacer:
+    """One direction of a link at ``mbit`` Mbit/s (0: unlimited): each frame waits until the frames before it, of
+    every call, would have crossed the link, plus its own time on it (length prefix included)."""
+
+    def __init__(self, mbit: float) -> None:
+        self.bytes_per_s = mbit * 1e6 / 8
+        self.free_at = 0.0  # the loop time at which the link has carried everything given to it
+
+    async def wait(self, size: int) -> None:
+        if self.bytes_per_s <= 0:
+            return
+        now = asyncio.get_running_loop().time()
+        self.free_at = max(self.free_at, now) + (size + _LEN_BYTES) / self.bytes_per_s
+        await asyncio.sleep(self.free_at - now)
 
 
 async def _late(seconds: float) -> None:

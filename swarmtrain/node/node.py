@@ -195,8 +195,9 @@ class Node:
             trainer = build_inner_loop(config, corpus, data_seed)  # standard or localtrain (train.trainer)
             theta = trainer.vector()
             self.numel = theta.numel()
-            delays = {"up_delay_s": node.up_delay_ms / 1000, "down_delay_s": node.down_delay_ms / 1000}
-            transport = P2PTransport(p2p, auth=auth, **delays)
+            link = {"up_delay_s": node.up_delay_ms / 1000, "down_delay_s": node.down_delay_ms / 1000,
+                    "up_mbit": node.up_mbit, "down_mbit": node.down_mbit}  # fmt: skip
+            transport = P2PTransport(p2p, auth=auth, **link)
             await serve_hello(transport)
             settings = swarm_settings(config)
             await serve_settings(transport, settings)

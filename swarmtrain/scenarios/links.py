@@ -10,7 +10,9 @@ shapes what it sends (uplink), one on the host end what it receives (downlink). 
 and ``heal`` moves them back. Needs root and the ``ip``/``tc`` tools. The kernel's ``netem`` (latency, loss) is not
 available on the machines this was built on: a link's loss (up_loss, down_loss) is dropped by a small eBPF
 classifier on the host end (``bpf.py``; ingress for what the node sends, egress for what it receives), and its
-delay (up_ms, down_ms) is added by the node's own transport (node.up_delay_ms, node.down_delay_ms).
+delay (up_ms, down_ms) is added by the node's own transport (node.up_delay_ms, node.down_delay_ms). Without root
+(or with ``[swarm] shaper = "transport"``) the rates are the node's transport's too (node.up_mbit,
+node.down_mbit: ``net/rpc.py``'s ``Pacer``), and no namespace is made.
 
 Every name carries a short id of the run, and ``close`` deletes every namespace, veth and bridge it created.
 """
@@ -41,12 +43,18 @@ def _ip(*args: str, ns: str | None = None) -> None:
         )
 
 
+def kernel_available() -> bool:
+    """Whether the kernel can shape links here: root, with the ``ip`` and ``tc`` tools."""
+    return os.geteuid() == 0 and bool(shutil.which("ip")) and bool(shutil.which("tc"))
+
+
 def check_available() -> None:
     """A clear error when shaping cannot work here (not root, no iproute2)."""
-    if os.geteuid() != 0 or not shutil.which("ip") or not shutil.which("tc"):
+    if not kernel_available():
         raise ScenarioError(
-            "scenario error: link shaping (link = {...}, link/partition/heal events) needs root and the `ip` and "
-            "`tc` tools (apt-get install iproute2); run as root, or remove the link settings and events."
+            "scenario error: link loss, link events and partitions (and [swarm] shaper = kernel) need root and the "
+            "`ip` and `tc` tools (apt-get install iproute2); run as root, or remove them (link rates and delays "
+            "alone work without root: each node paces its own messages)."
         )
 
 

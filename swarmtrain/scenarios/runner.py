@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
-from swarmtrain.scenarios.links import Network
+from swarmtrain.scenarios.links import Network, kernel_available
 from swarmtrain.scenarios.procs import Processes
 from swarmtrain.scenarios.spec import LINK_KEYS, NETWORK_ACTIONS, Scenario, ScenarioError, data_path
 from swarmtrain.scenarios.timeline import Firing, Timeline
@@ -126,6 +126,8 @@ class Runner:
         settings = {**DEFAULTS, **node.settings}
         if node.up_ms or node.down_ms:  # the node's transport delays its messages (links.py: rates and loss)
             settings |= {"node.up_delay_ms": node.up_ms, "node.down_delay_ms": node.down_ms}
+        if self.net is None and (node.up_mbit or node.down_mbit):  # no kernel shaping: the node paces itself
+            settings |= {"node.up_mbit": node.up_mbit or 0.0, "node.down_mbit": node.down_mbit or 0.0}
         if isinstance(settings.get("data.path"), str):
             settings["data.path"] = str(data_path(self.spec.path.parent, settings["data.path"]))
         initial_count = sum(n.start for n in self.spec.nodes)
@@ -222,6 +224,18 @@ class Runner:
                 if not killed:
                     self.say(f"{name} exited (code {code})")
 
+    def kernel_shapes(self) -> bool:
+        """Whether the kernel shapes the links ([swarm] shaper): auto takes it where it works, and otherwise where
+        the nodes' own pacing cannot do (a loss, a link event, a partition: Network() then says it needs root)."""
+        spec = self.spec
+        if spec.shaper == "auto":
+            use = kernel_available() or spec.kernel_only
+        else:
+            use = spec.shaper == "kernel"
+        if not use:
+            self.say("link rates: each node paces its own messages (no kernel shaping here)")
+        return use
+
     def alive(self) -> list[str]:
         return [n for n, lives in self.lives.items() if lives and lives[-1].ended is None]
 
@@ -233,7 +247,7 @@ class Runner:
         (self.out / "scenario.toml").write_text(spec.text, encoding="utf-8")
         self.record("scenario", path=str(spec.path))
         try:
-            if spec.shaped:
+            if spec.shaped and self.kernel_shapes():
                 self.net = Network()
                 for node in spec.nodes:
                     shape = {k: getattr(node, k) for k in LINK_KEYS}

@@ -53,6 +53,7 @@ from swarmtrain.errors import SwarmtrainError
 
 Action = Literal["join", "leave", "kill", "pause", "resume", "link", "partition", "heal"]
 ACTIONS: tuple[str, ...] = ("join", "leave", "kill", "pause", "resume", "link", "partition", "heal")
+SHAPERS = ("auto", "kernel", "transport")  # what limits link rates ([swarm] shaper)
 NETWORK_ACTIONS = ("link", "partition", "heal")  # need link shaping (a namespace per node; see links.py)
 RATE_KEYS, LOSS_KEYS = ("up_mbit", "down_mbit"), ("up_loss", "down_loss")
 LINK_KEYS = (*RATE_KEYS, *LOSS_KEYS)  # shaped by the kernel (links.py): a link event changes them
@@ -145,12 +146,21 @@ class Scenario:
     nodes: tuple[NodeSpec, ...] = ()
     events: tuple[Event, ...] = ()
     repeats: tuple[Repeat, ...] = ()
+    shaper: str = "auto"
+    """What limits link rates: kernel (tc in a namespace per node, needs root), transport (each node paces its
+    own messages: rates only), auto (the kernel where it works, else the transport where that is enough)."""
 
     @property
     def shaped(self) -> bool:
         """Whether the nodes need namespaces of their own: some link is limited or changes, or a partition."""
         limited = any(n.up_mbit is not None or n.down_mbit is not None or n.up_loss or n.down_loss for n in self.nodes)
         return limited or any(e.action in NETWORK_ACTIONS for e in [*self.events, *self.repeats])
+
+    @property
+    def kernel_only(self) -> bool:
+        """Whether only the kernel can shape this: a loss, or links that change or partition during the run."""
+        lossy = any(n.up_loss or n.down_loss for n in self.nodes)
+        return lossy or any(e.action in NETWORK_ACTIONS for e in [*self.events, *self.repeats])
 
     def node(self, name: str) -> NodeSpec:
         return next(n for n in self.nodes if n.name == name)
@@ -361,6 +371,7 @@ def parse_spec(text: str, path: Path | str = "<scenario>") -> Scenario:
         "seed",
         "timeout_s",
         "link",
+        "shaper",
     )
     line = lambda k: where.key("swarm", k)  # noqa: E731
     p.unknown(swarm, allowed, "swarm", line)
@@ -536,10 +547,20 @@ def parse_spec(text: str, path: Path | str = "<scenario>") -> Scenario:
 
     seed = p.take(swarm, "swarm", "seed", (int,), line("seed")) or 0
     timeout = p.take(swarm, "swarm", "timeout_s", (int, float), line("timeout_s")) or 900.0
-    return Scenario(
+    shaper = p.take(swarm, "swarm", "shaper", (str,), line("shaper")) or "auto"
+    if shaper not in SHAPERS:
+        raise p.fail(line("shaper"), "swarm.shaper", f"must be one of {', '.join(SHAPERS)}, not {shaper!r}.")
+    scenario = Scenario(
         path=path, text=text, rounds=rounds or 0, wall_time_s=wall, seed=seed, timeout_s=float(timeout),
-        checkpoint=checkpoint, nodes=tuple(nodes), events=tuple(events), repeats=tuple(repeats),
+        checkpoint=checkpoint, nodes=tuple(nodes), events=tuple(events), repeats=tuple(repeats), shaper=shaper,
     )  # fmt: skip
+    if shaper == "transport" and scenario.kernel_only:
+        raise p.fail(
+            line("shaper"), "swarm.shaper",
+            "= transport paces link rates only: a loss, a link event or a partition needs the kernel (root); "
+            "use kernel or auto, or drop those.",
+        )  # fmt: skip
+    return scenario
 
 
 def data_path(base: Path, data: str) -> Path:
