@@ -27,6 +27,9 @@ TINY = [
     "node.record_ttl_s=3",
     "averaging.min_gather_s=3",
     "averaging.min_deadline_s=8",
+    # No checks of reducers (a public swarm's default, 3 a round: about a tenth of these tests' time); the tests
+    # about them set it (test_swarm.py's four nodes, test_hostile_nodes.py).
+    "averaging.verify=0",
 ]
 
 

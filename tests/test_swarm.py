@@ -46,7 +46,7 @@ def digests_by_round(swarm: Swarm, names: list[str]) -> dict[int, dict[str, str]
 @pytest.mark.parametrize("codec", ["fp16", "topk:frac=0.01,value=int8"])
 def test_four_nodes_agree_bit_for_bit_after_every_round(swarm: Swarm, codec: str) -> None:
     names = [f"n{i}" for i in range(4)]
-    swarm.start_all(names, rounds=5, extra=[f"averaging.codec={codec}"])
+    swarm.start_all(names, rounds=5, extra=[f"averaging.codec={codec}", "averaging.verify=auto"])  # the default
     swarm.wait(names, timeout=180)
     table = digests_by_round(swarm, names)
     assert sorted(table) == [0, 1, 2, 3, 4]
