@@ -152,9 +152,8 @@ class Scenario:
 
     @property
     def shaped(self) -> bool:
-        """Whether the nodes need namespaces of their own: some link is limited or changes, or a partition."""
-        limited = any(n.up_mbit is not None or n.down_mbit is not None or n.up_loss or n.down_loss for n in self.nodes)
-        return limited or any(e.action in NETWORK_ACTIONS for e in [*self.events, *self.repeats])
+        """Whether some link is shaped: a rate (the kernel or the nodes' own pacing), or what only the kernel does."""
+        return any(n.up_mbit is not None or n.down_mbit is not None for n in self.nodes) or self.kernel_only
 
     @property
     def kernel_only(self) -> bool:
