@@ -228,13 +228,7 @@ class Runner:
         """Whether the kernel shapes the links ([swarm] shaper): auto takes it where it works, and otherwise where
         the nodes' own pacing cannot do (a loss, a link event, a partition: Network() then says it needs root)."""
         spec = self.spec
-        if spec.shaper == "auto":
-            use = kernel_available() or spec.kernel_only
-        else:
-            use = spec.shaper == "kernel"
-        if not use:
-            self.say("link rates: each node paces its own messages (no kernel shaping here)")
-        return use
+        return kernel_available() or spec.kernel_only if spec.shaper == "auto" else spec.shaper == "kernel"
 
     def alive(self) -> list[str]:
         return [n for n, lives in self.lives.items() if lives and lives[-1].ended is None]
@@ -247,7 +241,9 @@ class Runner:
         (self.out / "scenario.toml").write_text(spec.text, encoding="utf-8")
         self.record("scenario", path=str(spec.path))
         try:
-            if spec.shaped and self.kernel_shapes():
+            if spec.shaped and not self.kernel_shapes():
+                self.say("link rates: each node paces its own messages (no kernel shaping here)")
+            elif spec.shaped:
                 self.net = Network()
                 for node in spec.nodes:
                     shape = {k: getattr(node, k) for k in LINK_KEYS}
