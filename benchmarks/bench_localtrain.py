@@ -2,12 +2,18 @@
 
     python benchmarks/bench_localtrain.py --out runs/bench-localtrain.json
     python benchmarks/bench_localtrain.py --preset fast --seeds 5 --data /tmp/english.txt
+    python benchmarks/bench_localtrain.py --preset long        # 2,000 steps x 3 seeds: about 50 min on 2 cores
+    python benchmarks/bench_localtrain.py --preset many-core   # for a machine with 16 cores or more
 
 Each preset is ``swarmtrain localtrain bench`` with fixed settings (the command line it matches is printed):
 ``deep`` is the issue's 24-layer width-128 model, ``fast`` an 8-layer model whose steps are short enough for
 more steps and seeds. Both use S=2 stages and the same total thread budget for every method; tokens/s, peak
 process-tree PSS, held-out bits per byte and the paired quality gap (with its one-sided 95 % upper bound) are
 reported against global backprop. On a shared machine other work distorts throughput: run it when idle.
+
+The long-run protocol (``long`` on 2 cores, ``many-core`` on 16): thousands of steps, held-out bpb every 250
+steps, and the gap both at equal steps and at equal wall time (both runs read when the faster one ended).
+"both" runs ``deep`` and ``fast``.
 """
 
 from __future__ import annotations
@@ -21,7 +27,7 @@ from rich.console import Console
 
 from swarmtrain.localtrain.bench import BenchSpec, default_timing_skip, run_bench
 from swarmtrain.localtrain.cli import json_default, print_report, run_line
-from swarmtrain.localtrain.config import load_localtrain_config
+from swarmtrain.localtrain.config import available_cores, load_localtrain_config
 
 PRESETS: dict[str, dict[str, object]] = {
     "deep": {
@@ -50,16 +56,47 @@ PRESETS: dict[str, dict[str, object]] = {
         "steps": 40,
         "methods": ["rgc-async", "broadcast-async"],
     },
+    "long": {
+        "overrides": [
+            "model.depth=8",
+            "model.width=128",
+            "model.heads=4",
+            "model.context=128",
+            "train.batch_size=8",
+            "train.warmup_steps=50",
+            "train.eval_batches=8",
+        ],
+        "steps": 2000,
+        "eval_every": 250,
+        "methods": ["rgc-async"],
+    },
+    "many-core": {
+        "overrides": [
+            "model.depth=24",
+            "model.width=128",
+            "model.heads=4",
+            "model.context=128",
+            "train.batch_size=8",
+            "train.warmup_steps=50",
+            "train.eval_batches=8",
+        ],
+        "steps": 2000,
+        "eval_every": 250,
+        "stages": 4,
+        "threads": 16,
+        "methods": ["rgc-async"],
+    },
 }
+SHORT = ("deep", "fast")  # what "both" runs
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--preset", choices=[*PRESETS, "both"], default="both")
+    parser.add_argument("--preset", choices=[*PRESETS, "both"], default="both", help="both: deep and fast.")
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--steps", type=int, help="Override the preset's step count.")
-    parser.add_argument("--threads", type=int, default=2, help="Total thread budget (default 2).")
-    parser.add_argument("--stages", type=int, default=2)
+    parser.add_argument("--threads", type=int, help="Total thread budget (default: the preset's, else 2).")
+    parser.add_argument("--stages", type=int, help="Stages (default: the preset's, else 2).")
     parser.add_argument("--method", action="append", help="Methods besides global-bp (default: the preset's).")
     parser.add_argument("--data", help="Corpus (default: the Python standard library source).")
     parser.add_argument("--set", dest="overrides", action="append", default=[], help="Extra KEY=VALUE overrides.")
@@ -70,20 +107,30 @@ def main() -> None:
     args = parser.parse_args()
     console = Console(highlight=False, soft_wrap=True, width=140)
     reports = {}
-    for name in PRESETS if args.preset == "both" else [args.preset]:
+    for name in SHORT if args.preset == "both" else [args.preset]:
         preset = PRESETS[name]
         methods = tuple(args.method or preset["methods"])  # type: ignore[arg-type]
         overrides = [*preset["overrides"], *args.overrides]  # type: ignore[misc]
         steps = args.steps or int(preset["steps"])  # type: ignore[call-overload]
-        flags = {"data.path": args.data, "localtrain.stages": args.stages, "localtrain.threads": args.threads}
+        stages = args.stages or int(preset.get("stages", 2))  # type: ignore[call-overload]
+        threads = args.threads or int(preset.get("threads", 2))  # type: ignore[call-overload]
+        eval_every = int(preset.get("eval_every", 0))  # type: ignore[call-overload]
+        if threads > len(available_cores()):
+            console.print(
+                f"[yellow]{name} runs {threads} threads and this process may use {len(available_cores())} cores: "
+                "the threads share cores, so its throughput says little (--threads N to fit them)[/yellow]"
+            )
+        flags = {"data.path": args.data, "localtrain.stages": stages, "localtrain.threads": threads}
         config, lt = load_localtrain_config(None, overrides, flags)
         config.train.max_steps = steps
         skip = default_timing_skip(lt, steps)
-        command = ["swarmtrain", "localtrain", "bench", "--stages", str(args.stages), "--threads", str(args.threads)]
+        command = ["swarmtrain", "localtrain", "bench", "--stages", str(stages), "--threads", str(threads)]
         command += [f"--method={m}" for m in methods] + ["--seeds", str(args.seeds), "--steps", str(steps)]
+        command += ["--eval-every", str(eval_every)] if eval_every else []
         command += [f"--set={o}" for o in overrides] + ([f"--data={args.data}"] if args.data else [])
         console.print(f"[bold]{name}[/bold]: {shlex.join(command)}")
-        spec = BenchSpec(config, lt, methods, tuple(range(args.seeds)), steps, skip, zygote=not args.no_zygote)
+        seeds = tuple(range(args.seeds))
+        spec = BenchSpec(config, lt, methods, seeds, steps, skip, zygote=not args.no_zygote, eval_every=eval_every)
         report = run_bench(spec, on_result=lambda r: console.print(run_line(r), markup=False))
         print_report(report, console)
         reports[name] = report.to_json()

@@ -16,7 +16,7 @@ from click.testing import CliRunner
 from rich.console import Console
 
 from swarmtrain.cli import cli
-from swarmtrain.localtrain.bench import BenchReport, RunResult, summarise
+from swarmtrain.localtrain.bench import BenchReport, RunResult, bpb_at, summarise
 from swarmtrain.localtrain.cli import print_report
 from swarmtrain.localtrain.pss import PssSampler, process_tree, pss_kib
 from swarmtrain.localtrain.shm import PREFIX, leftover_segments
@@ -68,6 +68,30 @@ def test_summary_pairs_seeds_with_global_backprop() -> None:
     json.dumps(BenchReport({}, results, [bp, rgc]).to_json(), default=str)
 
 
+def test_a_long_run_is_also_compared_at_equal_wall_time() -> None:
+    """Per seed, both runs are read when the faster one ended: a method that trains faster is credited with the
+    steps it gains, one that trains slower is read at its own end against the reference's curve there."""
+    speed = {"tokens_per_s": 1000.0, "tokens_per_s_median": 1000.0, "peak_pss_mib": 500.0}
+    bp0 = RunResult("global-bp", 0, **speed, bpb=2.0, curve=[(250, 10.0, 3.0), (500, 20.0, 2.5), (750, 30.0, 2.0)])
+    fast0 = RunResult("rgc-async", 0, **speed, bpb=2.2, curve=[(250, 5.0, 3.1), (500, 10.0, 2.8), (750, 15.0, 2.2)])
+    bp1 = RunResult("global-bp", 1, **speed, bpb=2.0, curve=[(250, 10.0, 3.0), (500, 20.0, 2.5), (750, 30.0, 2.0)])
+    slow1 = RunResult("rgc-async", 1, **speed, bpb=2.1, curve=[(250, 20.0, 3.0), (500, 40.0, 2.6), (750, 60.0, 2.1)])
+    assert bpb_at(bp0.curve, 15.0) == pytest.approx(2.75)
+    assert bpb_at(bp0.curve, 5.0) is None  # before its first evaluation: not guessed
+    _, rgc = summarise([bp0, fast0, bp1, slow1], ("global-bp", "rgc-async"))
+    assert rgc.gap is not None and rgc.gap.gaps_pct == pytest.approx((10.0, 5.0))  # equal steps: the final models
+    # seed 0 at 15 s: 2.2 against the reference's 2.75; seed 1 at 30 s: 2.8 (between 2.6 and 3.0) against 2.0
+    assert rgc.gap_time is not None
+    assert rgc.gap_time.gaps_pct == pytest.approx((100 * (2.2 - 2.75) / 2.75, 100 * (2.8 - 2.0) / 2.0))
+    out = io.StringIO()
+    print_report(BenchReport({}, [bp0, fast0, bp1, slow1], [rgc]), Console(file=out, width=200))
+    assert "gap % equal time" in out.getvalue() and f"{rgc.gap_time.mean_pct:+.3f}" in out.getvalue()
+    # it ended at 5 s, before the reference's first evaluation: no equal-time reading
+    early = RunResult("rgc-async", 0, **speed, bpb=2.2, curve=[(750, 5.0, 2.2)])
+    _, rgc = summarise([bp0, early], ("global-bp", "rgc-async"))
+    assert rgc.gap is not None and rgc.gap_time is None
+
+
 def test_pss_sampler_sees_the_whole_tree() -> None:
     child = subprocess.Popen([sys.executable, "-c", "import time; x = bytearray(30_000_000); time.sleep(30)"])
     try:
@@ -100,7 +124,7 @@ def test_bench_runs_end_to_end(tmp_path: Path, text_file: Path) -> None:
     out = tmp_path / "bench.json"
     before = set(leftover_segments(PREFIX))
     args = ["localtrain", "bench", "--data", str(text_file), "--seeds", "1", "--steps", "8", "--threads", "2"]
-    args += ["--method", "rgc-async", "--method", "live-local", "--out", str(out)]
+    args += ["--method", "rgc-async", "--method", "live-local", "--eval-every", "4", "--out", str(out)]
     for key, value in {"model.depth": 2, "model.width": 32, "model.heads": 2, "model.context": 32}.items():
         args += ["--set", f"{key}={value}"]
     args += ["--set", "train.batch_size=4", "--set", "train.eval_batches=1", "--set", "train.warmup_steps=2"]
@@ -112,4 +136,9 @@ def test_bench_runs_end_to_end(tmp_path: Path, text_file: Path) -> None:
     assert all(r["error"] is None and r["tokens_per_s"] > 0 and r["peak_pss_mib"] > 0 for r in report["results"])
     assert all(math.isfinite(r["bpb"]) and not r["leaked_segments"] for r in report["results"])
     assert [r["zygote"] for r in report["results"]] == [False, True, False]  # async stages fork from a zygote
+    # held-out bpb at step 4 (the async pipeline drained there) and at the end, on a clock that only counts steps
+    for r in report["results"]:
+        assert [step for step, _, _ in r["curve"]] == [4, 8] and r["curve"][-1][1:] == [r["train_s"], r["bpb"]]
+        assert 0 < r["curve"][0][1] < r["train_s"]
+    assert all(s["gap_time"] is not None for s in report["summary"][1:])
     assert set(leftover_segments(PREFIX)) <= before

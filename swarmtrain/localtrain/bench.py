@@ -9,6 +9,11 @@ tokens/s over the steps after ``timing_skip`` (start-up and pipeline fill exclud
 sampled from ``/proc/<pid>/smaps_rollup`` over the whole run, held-out bits per byte of the final model, and
 each stage's busy/waiting/communication time. Per method: the geometric mean of per-seed throughput and PSS
 ratios to global backprop, and the paired relative quality gap with its one-sided 95 % upper bound.
+
+Long runs (``eval_every``) also measure held-out bpb every ``eval_every`` steps (an async pipeline drains there
+first), on a clock that counts only training. That gives a second paired gap, at equal wall time: per seed, both
+runs are read at the time the faster one ended (the slower one's curve interpolated linearly between its
+evaluations), so a method that trains faster is credited with the steps it gains.
 """
 
 from __future__ import annotations
@@ -50,6 +55,7 @@ class BenchSpec:
     pss_interval: float = 0.2
     run_timeout: float = 3600.0
     zygote: bool = True  # async methods fork their stages from a zygote (False: spawn them, the old way)
+    eval_every: int = 0  # also measure held-out bpb every this many steps, for the equal-time gap (0: at the end)
 
 
 @dataclass
@@ -70,6 +76,8 @@ class RunResult:
     zygote: bool = False  # the stages were forked from a zygote (sharing torch's pages), not spawned
     leaked_segments: list[str] = field(default_factory=list)
     breakdown: dict[str, Any] = field(default_factory=dict)
+    curve: list[tuple[int, float, float]] = field(default_factory=list)  # (step, training seconds, held-out bpb)
+    train_s: float = 0.0  # seconds spent in training steps (evaluations not counted)
 
 
 @dataclass
@@ -84,6 +92,7 @@ class MethodSummary:
     bpb_mean: float
     other_cores: float
     gap: PairedGap | None
+    gap_time: PairedGap | None  # at equal wall time (long runs with ``eval_every`` only)
     breakdown: list[dict[str, float]]
     readout: list[dict[str, float]]
 
@@ -113,6 +122,7 @@ def _run_job(
     conn: Any,
     parent: int,
     zygote: bool = True,
+    eval_every: int = 0,
 ) -> None:
     """One (method, seed) run, in its own spawned process; sends a ``RunResult`` dict back at the end.
 
@@ -138,15 +148,23 @@ def _run_job(
     try:
         start = time.perf_counter()
         corpus = load_corpus(config.data)
-        with LocalTrainer(config, corpus, lt, prefix=prefix) as trainer:
+        horizon = min(eval_every, steps) if eval_every else None
+        with LocalTrainer(config, corpus, lt, prefix=prefix, horizon=horizon) as trainer:
             result.startup_s = time.perf_counter() - start
-            ends = []
+            ends = []  # the training clock at the end of each step
+            clock = 0.0
             loss = float("nan")
-            for _ in range(steps):
+            for step in range(1, steps + 1):
+                began = time.perf_counter()
                 loss = trainer.train_step()
-                ends.append(time.perf_counter())
+                clock += time.perf_counter() - began
+                ends.append(clock)
                 if os.getppid() != parent:  # the benchmark died: do not train on as an orphan
                     raise LocalTrainError("the benchmark process that started this run is gone")
+                if eval_every and step < steps and step % eval_every == 0:
+                    result.curve.append((step, clock, trainer.evaluate()))  # the pipeline drained at its horizon
+                    trainer.set_horizon(min(step + eval_every, steps))
+            result.train_s = clock
             tokens_per_step = config.train.batch_size * config.model.context
             result.tokens_per_s = (steps - skip) * tokens_per_step / (ends[-1] - ends[skip - 1])
             window = ends[skip - 1 :]
@@ -157,6 +175,8 @@ def _run_job(
             model = trainer.model
         # Evaluate after the stages are gone, so that evaluation does not add to the training peak.
         result.bpb = evaluate_bpb(model, corpus.val, config)
+        if eval_every:
+            result.curve.append((steps, result.train_s, result.bpb))
     except BaseException as exc:  # reported to the parent, which prints it with the table
         result.error = f"{type(exc).__name__}: {exc}"
         result.breakdown = {"traceback": traceback.format_exc()}
@@ -190,6 +210,7 @@ def run_one(spec: BenchSpec, method: str, seed: int) -> RunResult:
         sender,
         os.getpid(),
         spec.zygote,
+        spec.eval_every,
     )
     with thread_env(own_threads):
         proc = context.Process(target=_run_job, args=args, name=f"bench-{method}-{seed}")
@@ -219,6 +240,8 @@ def run_one(spec: BenchSpec, method: str, seed: int) -> RunResult:
                 proc.join()
         leaked = sweep(prefix)
     died = f"run died (exit code {proc.exitcode})"
+    if payload:
+        payload["curve"] = [tuple(point) for point in payload["curve"]]
     result = RunResult(**payload) if payload else RunResult(method, seed, error=died)
     result.peak_pss_mib, result.processes = sampler.peak_mib, sampler.peak_processes
     result.peak_detail, result.other_cores = sampler.peak_detail, sampler.other_cores
@@ -236,9 +259,14 @@ def summarise(results: list[RunResult], methods: tuple[str, ...]) -> list[Method
             continue
         paired = [r for r in runs if r.seed in ref]
         base = [ref[r.seed] for r in paired]
-        gap = None
+        gap = gap_time = None
         if method != REFERENCE and paired:
             gap = paired_gap([r.bpb for r in paired], [b.bpb for b in base])
+            if all(r.curve for r in paired) and all(b.curve for b in base):
+                at_time = [equal_time_bpb(r.curve, b.curve) for r, b in zip(paired, base, strict=True)]
+                read = [pair for pair in at_time if pair is not None]
+                if len(read) == len(at_time):
+                    gap_time = paired_gap([m for m, _ in read], [b for _, b in read])
         summaries.append(
             MethodSummary(
                 method=method,
@@ -259,11 +287,31 @@ def summarise(results: list[RunResult], methods: tuple[str, ...]) -> list[Method
                 bpb_mean=statistics.fmean(r.bpb for r in runs),
                 other_cores=statistics.fmean(r.other_cores for r in runs),
                 gap=gap,
+                gap_time=gap_time,
                 breakdown=_mean_breakdown(runs),
                 readout=_mean_readout(runs),
             )
         )
     return summaries
+
+
+def bpb_at(curve: list[tuple[int, float, float]], seconds: float) -> float | None:
+    """Held-out bpb of a run after ``seconds`` of training, linear between the evaluations around it; None
+    before its first evaluation or after its end."""
+    for (_, t0, b0), (_, t1, b1) in zip(curve, curve[1:], strict=False):
+        if t0 <= seconds <= t1:
+            return b1 if t1 == t0 else b0 + (b1 - b0) * (seconds - t0) / (t1 - t0)
+    return curve[-1][2] if curve and seconds == curve[-1][1] else None
+
+
+def equal_time_bpb(
+    method: list[tuple[int, float, float]], reference: list[tuple[int, float, float]]
+) -> tuple[float, float] | None:
+    """Both runs' held-out bpb at the training time at which the faster one ended (None where the slower one
+    has no evaluation that early: evaluate more often)."""
+    seconds = min(method[-1][1], reference[-1][1])
+    m, r = bpb_at(method, seconds), bpb_at(reference, seconds)
+    return None if m is None or r is None else (m, r)
 
 
 def _mean_breakdown(runs: list[RunResult]) -> list[dict[str, float]]:
@@ -320,5 +368,6 @@ def run_bench(spec: BenchSpec, on_result: Any = None) -> BenchReport:
         "threads": total_threads(spec.lt),
         "data": spec.config.data.path or "python stdlib source",
         "zygote": spec.zygote,
+        "eval_every": spec.eval_every,
     }
     return BenchReport(described, results, summarise(results, methods))
