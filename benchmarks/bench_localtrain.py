@@ -29,6 +29,15 @@ from swarmtrain.localtrain.bench import BenchSpec, default_timing_skip, run_benc
 from swarmtrain.localtrain.cli import json_default, print_report, run_line
 from swarmtrain.localtrain.config import available_cores, load_localtrain_config
 
+# The long-run protocol's model and batch (depth aside): short steps, so that thousands of them fit in an hour.
+LONG_RUN = [
+    "model.width=128",
+    "model.heads=4",
+    "model.context=128",
+    "train.batch_size=8",
+    "train.warmup_steps=50",
+    "train.eval_batches=8",
+]
 PRESETS: dict[str, dict[str, object]] = {
     "deep": {
         "overrides": [
@@ -57,29 +66,13 @@ PRESETS: dict[str, dict[str, object]] = {
         "methods": ["rgc-async", "broadcast-async"],
     },
     "long": {
-        "overrides": [
-            "model.depth=8",
-            "model.width=128",
-            "model.heads=4",
-            "model.context=128",
-            "train.batch_size=8",
-            "train.warmup_steps=50",
-            "train.eval_batches=8",
-        ],
+        "overrides": ["model.depth=8", *LONG_RUN],
         "steps": 2000,
         "eval_every": 250,
         "methods": ["rgc-async"],
     },
     "many-core": {
-        "overrides": [
-            "model.depth=24",
-            "model.width=128",
-            "model.heads=4",
-            "model.context=128",
-            "train.batch_size=8",
-            "train.warmup_steps=50",
-            "train.eval_batches=8",
-        ],
+        "overrides": ["model.depth=24", *LONG_RUN],
         "steps": 2000,
         "eval_every": 250,
         "stages": 4,
