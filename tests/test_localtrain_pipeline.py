@@ -85,7 +85,9 @@ def test_a_killed_stage_fails_the_run_quickly_and_cleanly(tmp_path: Path, text_f
 
 def run_until_interrupted(config_dump: dict, prefix: str, ignore_sigint: bool = False) -> None:
     """A run process as the bench starts it: trains until Ctrl+C, then must clean up on its own. With
-    ``ignore_sigint`` it starts as a background job of a script would, with SIGINT ignored."""
+    ``ignore_sigint`` it starts as a background job of a script would, with SIGINT ignored. Its SIGHUP is a
+    terminal's, whatever the suite inherited: under ``nohup`` it would be ignored, and rightly not taken."""
+    signal.signal(signal.SIGHUP, signal.SIG_DFL)
     if ignore_sigint:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
     config = Config.model_validate(config_dump)

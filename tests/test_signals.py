@@ -24,9 +24,11 @@ TINY_TRAIN = [
 
 
 def ignoring(*signals: signal.Signals) -> Callable[[], None]:
-    """A ``preexec_fn`` that starts the child with ``signals`` ignored, as a shell's background job inherits them."""
+    """A ``preexec_fn`` that starts the child with ``signals`` ignored, as a shell's background job inherits them.
+    Its SIGHUP is otherwise a terminal's, whatever the suite inherited (under ``nohup`` it is ignored)."""
 
     def setup() -> None:
+        signal.signal(signal.SIGHUP, signal.SIG_DFL)
         for sig in signals:
             signal.signal(sig, signal.SIG_IGN)
 
