@@ -108,9 +108,10 @@ def main() -> None:
         stages = args.stages or int(preset.get("stages", 2))  # type: ignore[call-overload]
         threads = args.threads or int(preset.get("threads", 2))  # type: ignore[call-overload]
         eval_every = int(preset.get("eval_every", 0))  # type: ignore[call-overload]
-        if threads > len(available_cores()):
+        cores = len(available_cores())
+        if threads > cores:
             console.print(
-                f"[yellow]{name} runs {threads} threads and this process may use {len(available_cores())} cores: "
+                f"[yellow]{name} runs {threads} threads and this process may use {cores} cores: "
                 "the threads share cores, so its throughput says little (--threads N to fit them)[/yellow]"
             )
         flags = {"data.path": args.data, "localtrain.stages": stages, "localtrain.threads": threads}

@@ -240,8 +240,6 @@ def run_one(spec: BenchSpec, method: str, seed: int) -> RunResult:
                 proc.join()
         leaked = sweep(prefix)
     died = f"run died (exit code {proc.exitcode})"
-    if payload:
-        payload["curve"] = [tuple(point) for point in payload["curve"]]
     result = RunResult(**payload) if payload else RunResult(method, seed, error=died)
     result.peak_pss_mib, result.processes = sampler.peak_mib, sampler.peak_processes
     result.peak_detail, result.other_cores = sampler.peak_detail, sampler.other_cores
@@ -264,9 +262,9 @@ def summarise(results: list[RunResult], methods: tuple[str, ...]) -> list[Method
             gap = paired_gap([r.bpb for r in paired], [b.bpb for b in base])
             if all(r.curve for r in paired) and all(b.curve for b in base):
                 at_time = [equal_time_bpb(r.curve, b.curve) for r, b in zip(paired, base, strict=True)]
-                read = [pair for pair in at_time if pair is not None]
-                if len(read) == len(at_time):
-                    gap_time = paired_gap([m for m, _ in read], [b for _, b in read])
+                if None not in at_time:
+                    ours, theirs = zip(*at_time, strict=True)
+                    gap_time = paired_gap(list(ours), list(theirs))
         summaries.append(
             MethodSummary(
                 method=method,
