@@ -16,7 +16,7 @@ from click.testing import CliRunner
 from rich.console import Console
 
 from swarmtrain.cli import cli
-from swarmtrain.localtrain.bench import BenchReport, RunResult, bpb_at, summarise
+from swarmtrain.localtrain.bench import BenchReport, RunResult, bpb_at, equal_time_bpb, summarise
 from swarmtrain.localtrain.cli import print_report
 from swarmtrain.localtrain.pss import PssSampler, process_tree, pss_kib
 from swarmtrain.localtrain.shm import PREFIX, leftover_segments
@@ -124,7 +124,7 @@ def test_bench_runs_end_to_end(tmp_path: Path, text_file: Path) -> None:
     out = tmp_path / "bench.json"
     before = set(leftover_segments(PREFIX))
     args = ["localtrain", "bench", "--data", str(text_file), "--seeds", "1", "--steps", "8", "--threads", "2"]
-    args += ["--method", "rgc-async", "--method", "live-local", "--eval-every", "4", "--out", str(out)]
+    args += ["--method", "rgc-async", "--method", "live-local", "--eval-every", "2", "--out", str(out)]
     for key, value in {"model.depth": 2, "model.width": 32, "model.heads": 2, "model.context": 32}.items():
         args += ["--set", f"{key}={value}"]
     args += ["--set", "train.batch_size=4", "--set", "train.eval_batches=1", "--set", "train.warmup_steps=2"]
@@ -136,9 +136,14 @@ def test_bench_runs_end_to_end(tmp_path: Path, text_file: Path) -> None:
     assert all(r["error"] is None and r["tokens_per_s"] > 0 and r["peak_pss_mib"] > 0 for r in report["results"])
     assert all(math.isfinite(r["bpb"]) and not r["leaked_segments"] for r in report["results"])
     assert [r["zygote"] for r in report["results"]] == [False, True, False]  # async stages fork from a zygote
-    # held-out bpb at step 4 (the async pipeline drained there) and at the end, on a clock that only counts steps
+    # held-out bpb every 2 steps (the async pipeline drained there) and at the end, on a clock that only counts steps
     for r in report["results"]:
-        assert [step for step, _, _ in r["curve"]] == [4, 8] and r["curve"][-1][1:] == [r["train_s"], r["bpb"]]
+        assert [step for step, _, _ in r["curve"]] == [2, 4, 6, 8] and r["curve"][-1][1:] == [r["train_s"], r["bpb"]]
         assert 0 < r["curve"][0][1] < r["train_s"]
-    assert all(s["gap_time"] is not None for s in report["summary"][1:])
+    # the equal-time gap is given exactly where each run can be read when the faster one ended (timing decides
+    # which; a faster run that ended before the other's first evaluation is not guessed at)
+    reference = report["results"][0]["curve"]
+    for summary, run in zip(report["summary"][1:], report["results"][1:], strict=True):
+        readable = equal_time_bpb([tuple(c) for c in run["curve"]], [tuple(c) for c in reference]) is not None
+        assert (summary["gap_time"] is not None) == readable
     assert set(leftover_segments(PREFIX)) <= before
