@@ -30,6 +30,12 @@ FOUND += [(118665, 2)]
 # stream reset 0.4 s before the relay deadline was not retried, and with the frozen member's own relay no longer
 # counted, one survivor missed a report the others held. A report or digest is now retried while time is left.
 FOUND += [(116690, 2)]
+# Found once the simulator checked that correct members confirm a round with one failure ((e)): both survivors of a
+# member frozen through the reports (one that left the reports at their deadline, waiting on the frozen one, sent
+# its digest after the other had relayed, so that one held only its own: the digest exchange now sends directly
+# until the exchange's deadline), and a mixed round whose members left the state exchange at different times and
+# so ran different report deadlines for the update (its phases now start at the state exchange's deadline).
+FOUND += [(100232, 2), (100672, 2)]
 # Found with streams cut midway (``--cuts``) while the fix was switched off: a part its reducer left out (the
 # stream broke after it was made) of a shard that still applied was lost to its sender's residual.
 FOUND_WITH_CUTS = [(1120, 1), (1131, 1)]

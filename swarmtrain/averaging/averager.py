@@ -47,7 +47,7 @@ _LEDGERS = 8  # decisions of the last rounds this member confirmed, served to me
 LEDGER_TIMEOUT = 5.0
 _MAX_ROUTES = 64
 _ROUTES_PER_PEER = 4  # groups one peer may announce before we claim them: a stranger cannot crowd out real ones
-DIGEST_SHARE = 0.1  # the least share of a budget the digest exchange gets, even when it starts late
+DIGEST_SHARE = 0.1  # the share of a budget the digest exchange relays for after the exchange (or after it starts late)
 
 
 def _now() -> float:
@@ -388,9 +388,13 @@ class Averager:
         r.phases["group_s"] = r.exchange_started - r.started
         r.budget = self.budget_s(group)
         # One bound for the whole exchange (see ``budget_s``): a mixed round's update gets what the state exchange
-        # left of two budgets, not a fresh one.
+        # left of two budgets, not a fresh one; its phase deadlines are shares of the second budget, the same on
+        # every member whenever each left the state exchange.
         deadline = r.exchange_started + r.budget * (2 if group.mixed else 1)
-        return self._allreduce(group, delta, deadline, fault=self._fault_hook(r.number), residual=self.residual)
+        update = self._allreduce(group, delta, deadline, fault=self._fault_hook(r.number), residual=self.residual)
+        if group.mixed:
+            update.opens = r.exchange_started + r.budget
+        return update
 
     async def _mix(self, r: Round, group: Group, update: GroupExchange) -> tuple[float | None, bool, bool]:
         """Gossip: members come from different groups of the last round, so their theta_g differ. Average theta_g
@@ -538,7 +542,7 @@ class Averager:
         joined with; an honest leader already gave the group the least cap of its members).
 
         The round's bound after its group formed is ``(2 if mixed else 1) * D + DIGEST_SHARE * D + D``: the
-        exchange(s), the digest exchange when the exchange used all its time, and a resync.
+        exchange(s), the digest exchange's relays after the exchange's deadline, and a resync.
         """
         own = self.deadline_s()
         return min(group.deadline_s or own, self.deadline_factor * own)

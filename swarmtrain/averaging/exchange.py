@@ -160,6 +160,9 @@ class GroupExchange(ABC):
         self.route = group.group_id + tag
         self.header = {**header, "group": self.route}
         self.deadline = deadline
+        # When the phases start, the same instant for every member (``_start_clock``): a mixed round's update
+        # opens at the state exchange's deadline (``Averager._open_exchange``).
+        self.opens = 0.0
         self._start_clock()
         self.liveness = Liveness(transport, self.header)
         self.closed = False  # after the transfer, late payloads must not be stored
@@ -179,9 +182,12 @@ class GroupExchange(ABC):
         self._background: set[asyncio.Future[None]] = set()  # sends to members counted as gone
 
     def _start_clock(self) -> None:
-        """Phase deadlines as shares of the time from now to the deadline. ``run`` sets them again when it starts:
-        an exchange may be created (and take messages) before, while the round's state exchange still runs."""
-        loop_now = asyncio.get_running_loop().time()
+        """Phase deadlines as shares of the time from now (or ``opens``, if later) to the deadline. ``run`` sets them
+        again when it starts: an exchange may be created (and take messages) before, while the round's state
+        exchange still runs. Members leave that exchange at different times (one that waited on a member that
+        stalled, at its deadline): shares of the time from when each started would give them different report
+        deadlines, and one would decide before another's report was due."""
+        loop_now = max(asyncio.get_running_loop().time(), self.opens)
         span = max(self.deadline - loop_now, 0.0)
         self.scatter_deadline = loop_now + 0.5 * span
         self.transfer_deadline = loop_now + 0.75 * span
@@ -523,12 +529,16 @@ class GroupExchange(ABC):
     async def exchange_digests(self, digest: str, floor_s: float) -> dict[str, str]:
         """Send and relay my state digest; return the merged view of the group's digests (member -> digest).
 
-        It runs until the exchange's deadline, or ``floor_s`` from now if that is later: a member that reaches it
-        late (a long outer step) still has time to be heard instead of marking everyone dead at once.
+        The direct step runs until the exchange's deadline, the same instant for every member: a member may leave
+        the reports as late as their last deadline (it waited on one that stalled) and its digest must still reach
+        the members that left early, before they relay (a digest that comes after is in no one's view, and both
+        would count themselves unconfirmed). The relay step then gets ``floor_s``. A member that reaches this later
+        still (a long outer step) gets half of ``floor_s`` for each step, to be heard by the members still here.
         """
         loop = asyncio.get_running_loop()
-        self.deadline = max(self.deadline, loop.time() + floor_s)
-        half = loop.time() + 0.5 * (self.deadline - loop.time())
+        now = loop.time()
+        half = max(self.deadline, now + 0.5 * floor_s)
+        self.deadline = max(self.deadline, now) + floor_s
         # A signed group keeps the last eighth for proofs of relayed digests that differ (``_merge``).
         relayed = self.deadline if self.signer is None else half + 0.75 * (self.deadline - half)
         try:

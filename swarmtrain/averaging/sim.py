@@ -16,7 +16,9 @@ are caught by the digest vote (the minority resyncs), not prevented. After every
     residual holds all it contributed there); with fp32, part by part where it applied, against whom the part
     included (the member's ``ledger``), the residual of each member that confirmed the round holds nothing where it
     was included and all it contributed where it was left out (nothing lost, nothing twice), and with the plain
-    mean theta_g moved by the token-weighted average of exactly the included contributions.
+    mean theta_g moved by the token-weighted average of exactly the included contributions;
+(e) with one failure in the round, a member that stayed live and unfrozen confirms it when another member of its
+    group did too (unless its group did not mix as a gossip round: the minority then takes the majority's state).
 
 With ``--cuts`` a round may also cut one stream of parts or results after 0-3 frames (both ends stay live).
 
@@ -42,6 +44,7 @@ from typing import Any
 import torch
 
 from swarmtrain.averaging.averager import DIGEST_SHARE, Averager, RoundOutcome
+from swarmtrain.averaging.exchange import PING_FAILURES
 from swarmtrain.averaging.group import Group
 from swarmtrain.averaging.robust import KINDS as AGGREGATORS
 from swarmtrain.averaging.robust import parse_aggregator
@@ -149,21 +152,24 @@ class Faults:
                 await original(peer, method, header, _cut(frames, int(fault.seconds)), count=count, timeout=timeout,
                                **bounds)  # fmt: skip
                 raise PeerUnreachable(f"{method} to {peer}: stream reset after {int(fault.seconds)} frames")
+            if fault.kind in ("duplicate", "late") and count == 1:  # the same message twice: its frames kept
+                kept = [frame async for frame in frames]
+                frames = _replay(kept)
             if fault.kind in ("delay", "late-delay"):  # the link is slow: the delay counts against the timeout
                 await asyncio.sleep(min(fault.seconds, timeout))
                 if fault.seconds >= timeout:
+                    self.fired[-1] += " (timed out)"
                     raise RpcTimeout(f"{method} to {peer} timed out (delayed {fault.seconds:.2f} s)")
                 timeout -= fault.seconds
             answer = await original(peer, method, header, frames, count=count, timeout=timeout, **bounds)
             if fault.kind == "reset-after":
                 raise PeerUnreachable(f"{method} to {peer}: stream reset after delivery")
             if fault.kind in ("duplicate", "late") and count == 1:
-                body = b""  # reports, digests and pings carry everything in the header
 
                 async def again() -> None:
                     await asyncio.sleep(fault.seconds if fault.kind == "late" else 0.0)
                     try:
-                        await original(peer, method, header, _one(body), count=1, timeout=timeout, **bounds)
+                        await original(peer, method, header, _replay(kept), count=1, timeout=timeout, **bounds)
                     except Exception:  # noqa: BLE001 - a copy the receiver refuses is what we want to see
                         pass
 
@@ -173,8 +179,9 @@ class Faults:
         transport.call_stream = call_stream
 
 
-async def _one(body: bytes) -> AsyncIterator[bytes]:
-    yield body
+async def _replay(frames: list[bytes]) -> AsyncIterator[bytes]:
+    for frame in frames:
+        yield frame
 
 
 async def _cut(frames: AsyncIterator[bytes], delivered: int) -> AsyncIterator[bytes]:
@@ -291,6 +298,7 @@ async def simulate(seed: int, rounds: int = 2, cuts: bool = False) -> list[str]:
         found = _check(
             live, outcomes, weights, contributed, before, own, codec, momentum, set(faults.frozen), aggregator.plain
         )
+        found += _check_confirmed(live, outcomes, set(faults.frozen), faults.fired)
         violations += [f"{context}: {v}" for v in found]
         for m, o in zip(live, outcomes, strict=True):
             if isinstance(o, RoundOutcome) and o.outcome == "diverged":
@@ -384,6 +392,31 @@ def _check(
                     knows,
                     plain and plain_mean,
                 )
+    return found
+
+
+def _check_confirmed(live: list[Member], outcomes: list[Any], frozen: set[str], fired: list[str]) -> list[str]:
+    """(e) a member that stayed live and answered, in a group where another one did too, confirms the round: with
+    one failure a round, the two agree on their digests and each holds the other's. (A message slower than its
+    timeout, or two failed pings of one link, make the sender count the receiver gone: a second failure, so such
+    a round is left out of this check.)"""
+    pings: Counter[str] = Counter()  # failed pings per link: two in a row count the receiver gone
+    for f in fired:
+        kind, link, call = f.split(" ")[:3]
+        pings[link] += call.startswith("ping") and kind in ("reset", "reset-after")
+    if any(f.endswith("(timed out)") for f in fired) or max(pings.values(), default=0) >= PING_FAILURES:
+        return []
+    correct = {
+        m.averager.me: o
+        for m, o in zip(live, outcomes, strict=True)
+        if m.alive and m.averager.me not in frozen and isinstance(o, RoundOutcome)
+    }
+    found = []
+    for me, o in correct.items():
+        others = [p for p in o.group.members if p != me and p in correct and correct[p].group == o.group]
+        unmixed = o.group.mixed and not o.mixed  # states differ by design: the minority takes the majority's
+        if others and not unmixed and o.outcome.startswith("diverged"):
+            found.append(f"(e) {me} counted itself {o.outcome} though {others} of its group stayed live")
     return found
 
 
