@@ -183,8 +183,11 @@ class NodeConfig(_Section):
     so fast and slow nodes share rounds without waiting; 0 means node.inner_steps steps per round."""
     overlap: bool = False
     """Hide the exchange behind compute (Streaming DiLoCo's overlap): the next round's inner steps start while
-    this round's update is averaged, and the new theta_g is merged in when it arrives (the local steps since
-    are kept on top of it). Off: the inner steps wait for the exchange. Needs train.trainer = standard."""
+    this round's update is averaged, and the new theta_g is merged in when it arrives (node.overlap_keep). Off:
+    the inner steps wait for the exchange. Needs train.trainer = standard."""
+    overlap_keep: float = Field(0.5, ge=0.0, lt=1.0)
+    """With node.overlap, the share of the local parameters kept when theta_g arrives: they become
+    keep x local + (1 - keep) x theta_g (Streaming DiLoCo's merge; 0 drops the steps taken beside the exchange)."""
     slowdown: float = Field(1.0, ge=1.0, le=1000.0)
     """Make each inner step take this many times as long (it sleeps the rest), to try a slower machine on this
     one (a scenario's unlike machines); 1: full speed."""

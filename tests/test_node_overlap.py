@@ -1,5 +1,5 @@
 """node.overlap: the next round's inner steps run while this round's update is averaged, and the new theta_g is
-merged into them between two steps (``InnerLoop.rebase``), keeping the steps taken since."""
+merged into them between two steps (``InnerLoop.merge``), keeping ``node.overlap_keep`` of the local parameters."""
 
 from __future__ import annotations
 
@@ -40,33 +40,34 @@ class Counting(StandardLoop):
         return 1.0
 
 
-def test_rebase_puts_a_run_in_flight_on_the_new_theta_and_keeps_its_steps(tmp_path: Path, text_file: Path) -> None:
+def test_a_merge_mixes_theta_into_a_run_in_flight_between_two_steps(tmp_path: Path, text_file: Path) -> None:
     config = tiny_config(tmp_path, text_file)
     loop = Counting(config, load_corpus(config.data), data_seed=1)
-    anchor = loop.vector()  # what the round's update was measured at
-    theta = torch.full_like(anchor, 7.0)  # the round's result
+    start = loop.vector()
+    theta = torch.full_like(start, 7.0)  # the round's result
     runner = threading.Thread(target=loop.run, args=(10,))
     runner.start()
     assert loop.reached.wait(30)
-    loop.rebase(theta, anchor)  # during the fourth step
+    loop.merge(theta, 0.25)  # during the fourth step
     loop.go.set()
     runner.join(30)
-    # The fourth step started from the anchor plus three; the fifth from theta plus the four steps before it;
-    # all ten stay on top of theta.
+    # The fourth step started from start + 3 and ended at start + 4; the fifth started from a quarter of that and
+    # three quarters of theta, and the last six steps went on from there.
     close = lambda a, b: torch.allclose(a, b, rtol=0, atol=1e-5)  # noqa: E731 (fp32 sums in another order)
-    assert close(loop.starts[3], anchor + 3) and close(loop.starts[4], theta + 4)
-    assert close(loop.vector(), theta + 10)
+    mixed = 0.25 * (start + 4) + 0.75 * theta
+    assert close(loop.starts[3], start + 3) and close(loop.starts[4], mixed)
+    assert close(loop.vector(), mixed + 6)
 
 
-def test_a_rebase_waits_for_the_next_use_and_a_load_replaces_it(tmp_path: Path, text_file: Path) -> None:
+def test_a_merge_waits_for_the_next_use_and_a_load_replaces_it(tmp_path: Path, text_file: Path) -> None:
     config = tiny_config(tmp_path, text_file)
     loop = StandardLoop(config, load_corpus(config.data), data_seed=1)
-    anchor = loop.vector()
-    loop.rebase(anchor + 1.0, anchor)  # no run in flight: the next read applies it
-    assert torch.equal(loop.vector(), anchor + 1.0)
-    loop.rebase(anchor + 5.0, anchor)
-    loop.load_vector(anchor - 2.0)  # theta_g loaded whole (a catch-up): the rebase is void
-    assert torch.equal(loop.vector(), anchor - 2.0)
+    start = loop.vector()
+    loop.merge(start + 1.0, 0.0)  # no run in flight: the next read applies it (keep 0: theta_g whole)
+    assert torch.equal(loop.vector(), start + 1.0)
+    loop.merge(start + 5.0, 0.5)
+    loop.load_vector(start - 2.0)  # theta_g loaded whole (a catch-up): the merge is void
+    assert torch.equal(loop.vector(), start - 2.0)
 
 
 def test_theta_is_evaluated_on_a_copy_as_the_model_would_be(tmp_path: Path, text_file: Path) -> None:
@@ -84,6 +85,11 @@ def test_theta_is_evaluated_on_a_copy_as_the_model_would_be(tmp_path: Path, text
 def test_overlap_needs_the_standard_trainer() -> None:
     with pytest.raises(ConfigError, match="node.overlap needs train.trainer = standard"):
         load_config(flags={"node.overlap": True, "train.trainer": "localtrain"}, environ={})
+
+
+def test_overlap_keep_is_a_share_below_one() -> None:
+    with pytest.raises(ConfigError, match="overlap_keep"):  # 1 would never take theta_g in
+        load_config(flags={"node.overlap_keep": 1.0}, environ={})
 
 
 @pytest.mark.slow  # node processes for half a minute; the in-process tests above cover the merge itself

@@ -14,8 +14,8 @@ in ``node.inner_time_s`` (in a worker thread); ``stop`` makes a running
 ``run`` return after its current step and waits for it, so Ctrl+C or an error never tears resources down under
 a running step; ``close`` stops and then releases the stage processes and shared memory.
 
-``node.overlap``: ``rebase`` merges a new theta_g into a run in flight, between two of its steps, keeping the
-steps taken since the update was measured (``anchor``); ``evaluate_theta`` measures theta_g on a copy of the
+``node.overlap``: ``merge`` mixes a new theta_g into a run in flight, between two of its steps, keeping a share
+of the parameters as they are then (``node.overlap_keep``); ``evaluate_theta`` measures theta_g on a copy of the
 model while the steps go on.
 """
 
@@ -54,8 +54,8 @@ class InnerLoop(ABC):
         self._copy: ByteTransformer | None = None  # evaluate_theta's model, made at its first use
         self._stopping = threading.Event()
         self._busy = threading.Lock()
-        self._rebase: tuple[torch.Tensor, torch.Tensor] | None = None  # (theta_g, anchor) for the next step
-        self._rebase_lock = threading.Lock()
+        self._merge: tuple[torch.Tensor, float] | None = None  # (theta_g, keep) for the next step
+        self._merge_lock = threading.Lock()
 
     @property
     @abstractmethod
@@ -76,35 +76,35 @@ class InnerLoop(ABC):
             while time_s > 0 or len(losses) < steps:
                 if self._stopping.is_set() or (losses and time_s > 0 and time.perf_counter() - started >= time_s):
                     break
-                self._apply_rebase()
+                self._apply_merge()
                 step_started = time.perf_counter()
                 losses.append(self._step())
                 delay = step_delay_s + (slowdown - 1) * (time.perf_counter() - step_started)
                 if delay > 0:
                     time.sleep(delay)
-            self._apply_rebase()  # theta_g that came during the last step
+            self._apply_merge()  # theta_g that came during the last step
             loss = sum(losses) / len(losses) if losses else float("nan")
             return loss, self.tokens - tokens0, time.perf_counter() - started
 
     def vector(self) -> torch.Tensor:
         """The model's parameters as one flat float32 vector (a copy)."""
         with self._busy:
-            self._apply_rebase()
+            self._apply_merge()
             return self._vector()
 
     def load_vector(self, theta: torch.Tensor) -> None:
         """Overwrite the model's parameters with ``theta`` (the optimizer states are kept)."""
         with self._busy:
-            with self._rebase_lock:
-                self._rebase = None
+            with self._merge_lock:
+                self._merge = None
             self._load_vector(theta)
 
-    def rebase(self, theta: torch.Tensor, anchor: torch.Tensor) -> None:
-        """Make the parameters ``theta + (x - anchor)``, x being the parameters then: the round whose update was
-        measured at ``anchor`` gave theta_g = ``theta``, and the steps taken since stay on top of it. Returns at
-        once: a run in flight applies it before its next step (or as it ends), else the next use of the model."""
-        with self._rebase_lock:
-            self._rebase = (theta.detach().clone(), anchor)
+    def merge(self, theta: torch.Tensor, keep: float) -> None:
+        """Make the parameters ``keep * x + (1 - keep) * theta``, x being the parameters then (Streaming DiLoCo's
+        merge of a theta_g that arrives while the steps go on). Returns at once: a run in flight applies it before
+        its next step (or as it ends), else the next use of the model."""
+        with self._merge_lock:
+            self._merge = (theta.detach().clone(), keep)
 
     def evaluate_theta(self, theta: torch.Tensor) -> float:
         """Held-out bits per byte of ``theta`` on a copy of the model (on the trainer's device), without waiting
@@ -115,17 +115,17 @@ class InnerLoop(ABC):
             vector_to_parameters(theta.detach().to(self.device, torch.float32, copy=True), self._copy.parameters())
         return evaluate_bpb(self._copy, self.val, self.config, torch.device(self.device))
 
-    def _apply_rebase(self) -> None:  # holding ``_busy``
-        with self._rebase_lock:
-            pending, self._rebase = self._rebase, None
+    def _apply_merge(self) -> None:  # holding ``_busy``
+        with self._merge_lock:
+            pending, self._merge = self._merge, None
         if pending is not None:
-            theta, anchor = pending
-            self._load_vector(theta + (self._vector() - anchor))
+            theta, keep = pending
+            self._load_vector(theta.lerp(self._vector(), keep))
 
     def evaluate(self, val: np.ndarray | None = None) -> float:
         """Held-out bits per byte of the current model (on the validation bytes ``val``, else its corpus's)."""
         with self._busy:
-            self._apply_rebase()
+            self._apply_merge()
             return self._evaluate(val)
 
     def interrupt(self) -> None:

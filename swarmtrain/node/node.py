@@ -21,7 +21,6 @@ from collections.abc import AsyncIterator, Awaitable
 from pathlib import Path
 from typing import Any
 
-import torch
 from hivemind.dht.node import DHTNode
 from hivemind.dht.validation import CompositeValidator
 from hivemind.p2p import P2P
@@ -472,10 +471,9 @@ class Node:
         self._logged_at = 0.0  # seconds after ``started`` of the last round line (``_log_round``)
         last_inner = 0.0
         whole_inner = 0.0  # my last inner phase that Ctrl+C did not cut short: what my peers still train
-        # node.overlap: the inner steps of the next round, started beside this round's exchange; the parameters
-        # they started from (``anchor``); a checkpoint that waits for them to end.
+        # node.overlap: the inner steps of the next round, started beside this round's exchange; a checkpoint that
+        # waits for them to end.
         pending: asyncio.Task | None = None
-        anchor = torch.empty(0)
         checkpoint_due = False
         ended: float | None = None  # when my last inner phase ended: the trainer is idle from then to the next
 
@@ -533,7 +531,7 @@ class Node:
             delta = averager.outer.theta - local
             if node.overlap and not observing and not self.leaving and not time_up():
                 if node.rounds == 0 or averager.round + 1 < node.rounds:
-                    anchor, pending = local, asyncio.create_task(inner_steps())
+                    pending = asyncio.create_task(inner_steps())
             membership.update(phase="averaging", tokens_per_s=tokens / max(last_inner, 1e-9), inner_s=last_inner)
             if not self.leaving and not observing:
                 beside = ", the next round's inner steps beside it" if pending is not None else ""
@@ -564,7 +562,7 @@ class Node:
                 await drop_pending()
                 continue
             if pending is not None and averager.lifecycle.phase in (Phase.SOLO, Phase.IN_STEP):
-                trainer.rebase(averager.outer.theta, anchor)  # the steps since go on from the new theta_g
+                trainer.merge(averager.outer.theta, node.overlap_keep)  # the steps go on from the mix
             else:
                 await drop_pending()
                 self._load_theta(trainer, averager)
