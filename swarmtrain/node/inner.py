@@ -120,7 +120,7 @@ class InnerLoop(ABC):
             pending, self._merge = self._merge, None
         if pending is not None:
             theta, keep = pending
-            self._load_vector(theta.lerp(self._vector(), keep))
+            self._load_vector(self._vector().lerp_(theta, 1.0 - keep))  # keep x + (1 - keep) theta, in the copy
 
     def evaluate(self, val: np.ndarray | None = None) -> float:
         """Held-out bits per byte of the current model (on the validation bytes ``val``, else its corpus's)."""
