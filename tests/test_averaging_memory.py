@@ -104,8 +104,11 @@ async def test_bad_payload_excludes_the_sender_but_keeps_replicas_identical() ->
             payload[-4:] = struct.pack("<f", float("nan"))
             return bytes(payload)
 
-        def decode(self, payload, numel):
-            return fp32.decode(payload, numel)
+        def encode_feedback(self, tensor, residual, decoded):
+            return self.encode(tensor)
+
+        def decode(self, payload, numel, **options):
+            return fp32.decode(payload, numel, **options)
 
     averagers[2].codec_up = NaNInjector()
     deltas = [torch.randn(NUMEL) for _ in averagers]

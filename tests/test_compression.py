@@ -191,6 +191,41 @@ def test_error_feedback_loses_nothing(x: torch.Tensor, spec: str, seed: int) -> 
     assert float((decoded.double() + state.residual.double() - total).abs().max()) <= scale * 1e-6
 
 
+DENSE_SPECS = tuple(spec for spec in ALL_SPECS if not get_codec(spec).sparse)
+
+
+@FAST
+@given(x=vectors(max_numel=2000), spec=st.sampled_from(DENSE_SPECS), seed=st.integers(0, 1000))
+def test_error_feedback_in_the_callers_buffers_matches_a_codec_state(x: torch.Tensor, spec: str, seed: int) -> None:
+    """What the all-reduce sends (``encode_feedback``, in place) is what ``encode`` with a fresh ``CodecState``
+    sends, bit for bit: the same payload, ``decoded`` what a receiver decodes, the same new residual."""
+    codec = get_codec(spec)
+    old = torch.randn(x.numel(), generator=torch.Generator().manual_seed(seed)) * x.abs().max().clamp(1e-30, 1e30)
+    state = CodecState(residual=old.clone())
+    expected = codec.encode(x, state)
+    residual, decoded = old.clone(), torch.full_like(x, float("nan"))
+    payload = codec.encode_feedback(x, residual, decoded)
+    assert payload == expected
+    assert torch.equal(decoded, codec.decode(payload, x.numel())) and torch.equal(residual, state.residual)
+    if spec == "fp32":  # lossless: everything goes out now, nothing is left for later
+        assert torch.equal(decoded, x + old) and not residual.any()
+
+
+@pytest.mark.parametrize("spec", DENSE_SPECS)
+def test_decode_into_a_buffer_and_the_magnitude_bound(spec: str) -> None:
+    codec = get_codec(spec)
+    x = torch.randn(1000, generator=torch.Generator().manual_seed(0)) * 100
+    payload = codec.encode(x)
+    out = torch.full_like(x, float("nan"))
+    assert codec.decode(payload, 1000, out=out) is out and torch.equal(out, codec.decode(payload, 1000))
+    largest = float(out.abs().max())
+    assert torch.equal(codec.decode(payload, 1000, bound=largest), out)
+    with pytest.raises(CodecError, match=f"values beyond \\+-{largest / 2:g}"):
+        codec.decode(payload, 1000, bound=largest / 2)
+    with pytest.raises(ValueError, match="float32 tensor of 1000 elements"):
+        codec.decode(payload, 1000, out=torch.zeros(999))
+
+
 @pytest.mark.parametrize("spec", ["2bit", "topk:frac=0.05", "dct-topk:chunk=32,k=1", "powersgd:rank=4"])
 def test_error_feedback_delivers_a_fixed_update_over_rounds(spec: str) -> None:
     """Resending one update, the mean of what arrives converges to it as 1/rounds: the residual stays bounded."""

@@ -3,6 +3,7 @@ round; a restarted node catches up with the swarm and ends every later round wit
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import signal
@@ -61,6 +62,37 @@ def test_a_node_checkpoint_restores_theta_g_the_optimizers_and_the_round(tmp_pat
     inner.run(2)
     resumed.run(2)
     assert torch.equal(resumed.vector(), inner.vector())
+
+
+def test_a_checkpoint_written_with_the_sha256_state_digest_still_resumes(tmp_path: Path, text_file: Path) -> None:
+    """Nodes before protocol 10 wrote SHA-256 state digests into their checkpoints; an upgraded node resumes from
+    one and goes on with the current (BLAKE3) digest of the same state, while a damaged state is still refused."""
+    config = tiny_config(tmp_path, text_file)
+    inner = StandardLoop(config, load_corpus(config.data), data_seed=7)
+    averager = outer(inner.vector())
+    averager.outer.step(torch.ones_like(averager.outer.theta))
+    averager.round = 2
+    Node(config)._checkpoint(inner, averager)
+    (path,) = list_checkpoints(config.run_dir)
+    tensors = load_file(path)
+    with safe_open(str(path), "pt") as f:
+        meta = json.loads(f.metadata()["swarmtrain"])
+    sha = hashlib.sha256()
+    for name in ("outer.theta", "outer.momentum"):
+        sha.update(tensors[name].view(torch.uint8).numpy())
+    assert meta["digest"] == averager.outer.digest() != sha.hexdigest()[:24]
+    path.unlink()
+    save_checkpoint(config.run_dir, tensors, {**meta, "digest": sha.hexdigest()[:24]}, keep=2)
+    checkpoint = open_run_dir(config, resume=True)
+    assert checkpoint is not None
+    resumed = StandardLoop(config, load_corpus(config.data), data_seed=7)
+    restored = outer(torch.zeros_like(averager.outer.theta))
+    Node(config, resume=True)._restore(checkpoint, resumed, restored)
+    assert restored.round == 2 and restored.outer.digest() == averager.outer.digest()
+    tensors["outer.momentum"][0] += 1.0  # the old digest no longer matches either: damaged
+    save_checkpoint(config.run_dir, tensors, {**meta, "digest": sha.hexdigest()[:24]}, keep=1)
+    with pytest.raises(CheckpointError, match="does not match its digest"):
+        open_run_dir(config, resume=True)
 
 
 @pytest.mark.timeout(120)

@@ -28,12 +28,12 @@ Phases, all bounded by the round's deadline:
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import math
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import blake3
 import torch
 
 from swarmtrain.averaging.exchange import MAX_ABS_VALUE, AllReduceResult, GroupExchange, Unsettled
@@ -257,7 +257,7 @@ class AllGather(GroupExchange):
             return OBSERVER
         if not self.complete[peer].is_set() or peer in self.bad_senders:
             return None
-        digest = hashlib.sha256()
+        digest = blake3.blake3()
         for frame in self.payloads[peer]:
             digest.update(frame)
         return digest.hexdigest()[:24]

@@ -25,28 +25,29 @@ Dead peers are noticed by stream errors and by pings while waiting on them, not 
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import logging
 import random
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import blake3
 import msgpack
 import torch
 
 from swarmtrain.averaging.exchange import MAX_ABS_VALUE, AllReduceResult, GroupExchange, Unsettled, wait_or_dead
 from swarmtrain.averaging.group import Group
+from swarmtrain.averaging.outer import state_digest
 from swarmtrain.averaging.robust import Aggregator
 from swarmtrain.averaging.signing import MAX_KEY_BYTES, MAX_SIG_BYTES, RoundSigner
-from swarmtrain.compression import Codec, CodecError, CodecState
+from swarmtrain.compression import Codec, CodecError
 from swarmtrain.net import PeerUnreachable, Rejected, RemoteError, RpcTimeout, Transport
 
 log = logging.getLogger(__name__)
 
 
 def _digest(payload: bytes) -> bytes:
-    return hashlib.sha256(payload).digest()
+    return blake3.blake3(payload).digest()
 
 
 def _gaps(ranges: list[tuple[int, int]], length: int) -> list[tuple[int, int]]:
@@ -62,10 +63,6 @@ def _gaps(ranges: list[tuple[int, int]], length: int) -> list[tuple[int, int]]:
 def _overlaps(ranges: list[tuple[int, int]], start: int, end: int) -> list[tuple[int, int]]:
     """The parts of ``start:end`` inside the sorted, disjoint ``ranges``."""
     return [(max(s, start), min(e, end)) for s, e in ranges if s < end and e > start]
-
-
-def tensor_hash(t: torch.Tensor) -> str:
-    return hashlib.sha256(t.contiguous().view(torch.uint8).numpy()).hexdigest()[:24]
 
 
 @dataclass
@@ -141,16 +138,16 @@ class AllReduce(GroupExchange):
     def _parts(self, length: int) -> list[tuple[int, int]]:
         return [(s, min(s + self.part_numel, length)) for s in range(0, max(length, 1), self.part_numel)]
 
-    def _decode(self, codec: Codec, body: bytes, numel: int, what: str) -> torch.Tensor:
+    def _decode(
+        self, codec: Codec, body: bytes, numel: int, what: str, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """The values in a payload (written into ``out`` if given), finite and within ``MAX_ABS_VALUE``."""
         try:
-            values = codec.decode(body, numel)
+            values = codec.decode(body, numel, out=out, bound=MAX_ABS_VALUE)
         except CodecError as exc:
             raise Rejected(f"bad {what} payload: {exc}") from None
         if values.numel() != numel:
             raise Rejected(f"bad {what} payload: {values.numel()} values, expected {numel}")
-        low, high = torch.aminmax(values) if numel else (torch.tensor(0.0), torch.tensor(0.0))
-        if not max(-low.item(), high.item()) <= MAX_ABS_VALUE:  # NaN propagates: one pass checks both
-            raise Rejected(f"bad {what} payload: non-finite values or values beyond +-{MAX_ABS_VALUE:g}")
         return values
 
     @property
@@ -178,7 +175,7 @@ class AllReduce(GroupExchange):
         that apply the shard also agree on whose contribution it holds (see ``_give_back``)."""
         box = self.results[j]
         masks = b"".join(box.masks[p] for p in sorted(box.masks))
-        return hashlib.sha256(tensor_hash(box.buffer).encode() + masks).hexdigest()[:24]
+        return state_digest(box.buffer, extra=masks)
 
     def _seal(self, shard: int, part: int, payload: bytes) -> bytes:
         """A part as it is sent: where the swarm checks reducers (``verify``, a swarm setting), its sender's signature
@@ -215,7 +212,7 @@ class AllReduce(GroupExchange):
         if header.get("codec") != codec.name:
             raise Rejected(f"{what} codec {header.get('codec')!r} is not this round's {codec.name!r}")
         start, end = parts[part]
-        box.buffer[start:end] = self._decode(codec, body, end - start, what)
+        self._decode(codec, body, end - start, what, out=box.buffer[start:end])  # no use of the part if it fails
         box.parts.add(part)
         box.arrived.set()
         if len(box.parts) == len(parts):
@@ -306,12 +303,9 @@ class AllReduce(GroupExchange):
         added to the same coordinates next round instead of being lost."""
         if self.residual is None:
             return self.codec_up.encode(self.delta[start:end])
-        state = CodecState(residual=self.residual[start:end])  # encode rebinds it, never writes into it
-        payload = self.codec_up.encode(self.delta[start:end], state)
-        assert state.residual is not None and self.sent is not None
-        # The codec split delta + residual into what it sends and the new residual.
-        torch.sub(self.delta[start:end] + self.residual[start:end], state.residual, out=self.sent[start:end])
-        self.residual[start:end] = state.residual
+        assert self.sent is not None
+        # The codec splits delta + residual into what it sends (into ``sent``) and the new residual, in place.
+        payload = self.codec_up.encode_feedback(self.delta[start:end], self.residual[start:end], self.sent[start:end])
         self.encoded.append((start, end))
         return payload
 

@@ -39,8 +39,9 @@ log = logging.getLogger(__name__)
 # per round, a group runs one budget, bans; 6: result parts name the members they include, "ledger"; 7: reports
 # and digests signed with identity keys, relayed values that differ proven on request ("proofs"); 8: peer records
 # carry loss, bpb, tokens and bytes sent (``swarmtrain dashboard --join``); 9: with averaging.verify, parts signed
-# by their senders and reducers show what they averaged to members that check them ("evidence").
-PROTOCOL_VERSION = 9
+# by their senders and reducers show what they averaged to members that check them ("evidence"); 10: state digests,
+# shard and payload hashes are BLAKE3 (were SHA-256).
+PROTOCOL_VERSION = 10
 _ROUTE_WAIT = 5.0  # a member may hear of its group a moment after a peer that already sends
 _SMALL = 1 << 16
 _LEDGERS = 8  # decisions of the last rounds this member confirmed, served to members that could not

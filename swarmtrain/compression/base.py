@@ -57,7 +57,13 @@ class Codec(Protocol):
         """One payload for a 1-D float tensor; with ``state``, error feedback is applied and updated."""
         ...
 
-    def decode(self, payload: bytes, numel: int) -> torch.Tensor:
+    def encode_feedback(self, tensor: torch.Tensor, residual: torch.Tensor, decoded: torch.Tensor) -> bytes:
+        """One payload for ``tensor + residual``, with error feedback into the caller's buffers."""
+        ...
+
+    def decode(
+        self, payload: bytes, numel: int, *, out: torch.Tensor | None = None, bound: float = math.inf
+    ) -> torch.Tensor:
         """The float32 1-D tensor of length ``numel`` in ``payload``; ``CodecError`` if malformed."""
         ...
 
@@ -72,6 +78,7 @@ class BaseCodec(ABC):
     name: str = ""
     codec_id: int = -1
     sparse: bool = False
+    lossless: bool = False  # decode(encode(x)) == x bit for bit: error feedback has nothing to keep
     data_params: tuple[str, ...] = ()  # wire parameters that depend on the data, not on the agreed options
 
     @property
@@ -94,6 +101,10 @@ class BaseCodec(ABC):
     @abstractmethod
     def _decode(self, params: Params, body: memoryview, numel: int) -> torch.Tensor:
         """The tensor in a body whose parameters and length ``_body_size`` has already accepted."""
+
+    def _decode_into(self, params: Params, body: memoryview, out: torch.Tensor) -> None:
+        """``_decode`` written into ``out``; codecs that can skip the temporary override it."""
+        out.copy_(self._decode(params, body, out.numel()))
 
     def payload_size(self, numel: int) -> int:
         """Exact payload length in bytes for a tensor of ``numel`` elements; divide by numel for bytes/param."""
@@ -120,10 +131,37 @@ class BaseCodec(ABC):
             state.step += 1
         return payload
 
-    def decode(self, payload: bytes | bytearray | memoryview, numel: int, *, agreed: bool = True) -> torch.Tensor:
-        """The float32 1-D tensor of length ``numel`` in ``payload``; ``CodecError`` if it is malformed or, with
-        ``agreed``, encoded with other parameters than this codec's (the round's): a ``topk:frac=1.0`` payload
-        where ``frac=0.01`` was agreed is refused before decoding allocates for it."""
+    def encode_feedback(self, tensor: torch.Tensor, residual: torch.Tensor, decoded: torch.Tensor) -> bytes:
+        """One payload for ``tensor + residual`` (error feedback, as ``encode`` with a ``CodecState`` whose step is 0)
+        that works in the caller's buffers: ``decoded`` becomes what a receiver decodes from the payload and
+        ``residual`` what it did not carry, ``tensor + residual - decoded``. Fewer passes and no temporaries of the
+        tensor's size: for a lossless codec, one sum, one check, one copy into the payload."""
+        if not tensor.shape == residual.shape == decoded.shape:
+            raise ValueError(f"{self.name}: tensor, residual and decoded buffer must have the same shape")
+        torch.add(tensor.detach(), residual, out=decoded)
+        payload = self.encode(decoded)  # the payload holds a copy: ``decoded`` may change now
+        if self.lossless:
+            residual.zero_()
+        else:
+            values = self.decode(payload, decoded.numel())
+            torch.sub(decoded, values, out=residual)
+            decoded.copy_(values)
+        return payload
+
+    def decode(
+        self,
+        payload: bytes | bytearray | memoryview,
+        numel: int,
+        *,
+        agreed: bool = True,
+        out: torch.Tensor | None = None,
+        bound: float = math.inf,
+    ) -> torch.Tensor:
+        """The float32 1-D tensor of length ``numel`` in ``payload`` (written into ``out`` if given, and returned);
+        ``CodecError`` if it is malformed, decodes to non-finite values or to a magnitude beyond ``bound``, or, with
+        ``agreed``, was encoded with other parameters than this codec's (the round's): a ``topk:frac=1.0``
+        payload where ``frac=0.01`` was agreed is refused before decoding allocates for it. On an error, what
+        ``out`` holds is undefined."""
         header = peek_header(payload)
         if header.codec_id != self.codec_id:
             raise CodecError(f"payload was encoded with {header.codec}, but this round expects {self.name}")
@@ -138,9 +176,18 @@ class BaseCodec(ABC):
                         f"{self.spec} ({field}={value} for {numel} elements)"
                     )
         body = memoryview(payload).cast("B")[header.header_size :]
-        out = self._decode(header.params, body, numel)
-        if not all_finite(out):
+        if out is None:
+            out = self._decode(header.params, body, numel)
+        elif out.shape != (numel,) or out.dtype != torch.float32:
+            raise ValueError(f"{self.name} decodes into a float32 tensor of {numel} elements, got {tuple(out.shape)}")
+        else:
+            self._decode_into(header.params, body, out)
+        low, high = torch.aminmax(out) if numel else (torch.tensor(0.0), torch.tensor(0.0))
+        low_, high_ = low.item(), high.item()
+        if not (math.isfinite(low_) and math.isfinite(high_)):  # one pass: NaN and inf show in the min or max
             raise CodecError(f"{self.name} payload decodes to non-finite values (NaN or inf)")
+        if max(-low_, high_) > bound:
+            raise CodecError(f"{self.name} payload decodes to values beyond +-{bound:g}")
         return out
 
 

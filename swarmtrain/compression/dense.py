@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from swarmtrain.compression.base import BaseCodec, CodecState, Options
-from swarmtrain.compression.wire import Params, as_buffer, read_tensor
+from swarmtrain.compression.wire import Params, as_buffer, read_tensor, view_tensor
 
 FLOAT_DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
@@ -64,6 +64,9 @@ class _FloatCodec(BaseCodec):
     def _decode(self, params: Params, body: memoryview, numel: int) -> torch.Tensor:
         return float_read(body, 0, numel, self.dtype)
 
+    def _decode_into(self, params: Params, body: memoryview, out: torch.Tensor) -> None:
+        out.copy_(view_tensor(body, 0, out.numel(), self.dtype))  # converts as it copies: one pass
+
     @classmethod
     def from_options(cls, options: Options) -> _FloatCodec:
         options.done()
@@ -77,6 +80,7 @@ class Fp32Codec(_FloatCodec):
     name = "fp32"
     codec_id = 0
     dtype = torch.float32
+    lossless = True
 
 
 @dataclass(frozen=True)

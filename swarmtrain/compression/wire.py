@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import struct
 import sys
+import warnings
 from dataclasses import dataclass
 
 import numpy as np
@@ -152,6 +153,20 @@ def read_tensor(body: memoryview, offset: int, count: int, dtype: torch.dtype) -
         return torch.empty(0, dtype=dtype)
     raw = np.frombuffer(body, dtype=np.uint8, count=count * dtype.itemsize, offset=offset).copy()
     return torch.from_numpy(raw).view(dtype)
+
+
+def view_tensor(body: memoryview, offset: int, count: int, dtype: torch.dtype) -> torch.Tensor:
+    """``count`` elements of ``dtype`` at ``body[offset:]`` without a copy (bounds already checked), to be read
+    from only: the payload's own bytes. torch warns, once per process, that such a tensor could write to a buffer
+    that is not writable; nothing here writes to it, so ``_READ_ONLY`` silences that warning."""
+    if count == 0:
+        return torch.empty(0, dtype=dtype)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=_READ_ONLY, category=UserWarning)
+        return torch.frombuffer(body, dtype=dtype, count=count, offset=offset)
+
+
+_READ_ONLY = "The given buffer is not writable"
 
 
 def as_buffer(tensor: torch.Tensor) -> memoryview:

@@ -12,6 +12,7 @@ killed write aside), so a refused start changes nothing else.
 
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
 
 import torch
@@ -73,9 +74,19 @@ def outer_state(checkpoint: Checkpoint) -> tuple[int, str, dict[str, torch.Tenso
             "train` writes such files). Start the node with a new --run-dir."
         )
     found = {k: t for k, t in tensors.items() if t is not None}
-    if found["theta"].shape != found["momentum"].shape or state_digest(*found.values()) != digest:
+    current = state_digest(*found.values())
+    if found["theta"].shape != found["momentum"].shape or digest not in (current, _sha256_digest(*found.values())):
         raise DamagedCheckpoint(
             f"checkpoint error: the outer state in {checkpoint.path} does not match its digest {digest[:8]} (the "
             "file is damaged)."
         )
-    return round_, digest, found
+    return round_, current, found
+
+
+def _sha256_digest(*tensors: torch.Tensor) -> str:
+    """The state digest as nodes before protocol 10 wrote it in their checkpoints (SHA-256, not BLAKE3): their
+    checkpoints still resume, and the node goes on with the current digest of the same state."""
+    h = hashlib.sha256()
+    for t in tensors:
+        h.update(t.contiguous().view(torch.uint8).numpy())
+    return h.hexdigest()[:24]
