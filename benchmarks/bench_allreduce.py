@@ -86,7 +86,7 @@ def ours_worker(idx: int, peers: int, numel: int, codec: str, rounds: int, workd
             _wait_for(work / f"id{i}")
         members = sorted((work / f"id{i}").read_text() for i in range(peers))
         delta = torch.randn(numel, generator=torch.Generator().manual_seed(idx))
-        profiler = cProfile.Profile() if idx == 0 and (work / "profile").exists() else None
+        profiler = cProfile.Profile(time.process_time) if idx == 0 and (work / "profile").exists() else None
         times = []
         for r in range(rounds + 1):
             if r == 1:
