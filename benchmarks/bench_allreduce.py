@@ -27,6 +27,7 @@ import multiprocessing as mp
 import pstats
 import statistics
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from tempfile import TemporaryDirectory
 
@@ -43,11 +44,16 @@ def lo_tx_bytes() -> int:
     raise RuntimeError("no loopback interface in /proc/net/dev")
 
 
-def _wait_for(path: Path, timeout: float = 120.0) -> None:
+def _wait_for(path: Path, timeout: float = 120.0, procs: Sequence[mp.process.BaseProcess] = ()) -> None:
+    """Wait until ``path`` exists; with ``procs``, fail at once if one of them died instead of waiting out the
+    timeout (the others would wait for its bytes to the end)."""
     deadline = time.monotonic() + timeout
     while not path.exists():
         if time.monotonic() > deadline:
             raise TimeoutError(f"timed out waiting for {path}")
+        for i, proc in enumerate(procs):
+            if proc.exitcode not in (None, 0):
+                raise RuntimeError(f"peer {i} exited with code {proc.exitcode} (its traceback is above)")
         time.sleep(0.01)
 
 
@@ -243,12 +249,16 @@ def run_case(
                 _wait_for(work / "maddr0")
         try:
             for i in range(peers):
-                _wait_for(work / f"ready{i}", timeout=300)
+                _wait_for(work / f"ready{i}", timeout=300, procs=procs)
             before = lo_tx_bytes()
             (work / "go").touch()
             for i in range(peers):
-                _wait_for(work / f"result{i}.json", timeout=600)
+                _wait_for(work / f"result{i}.json", timeout=600, procs=procs)
             after = lo_tx_bytes()
+        except BaseException:
+            for p in procs:
+                p.terminate()  # the others would wait for the dead peer's bytes until their timeouts
+            raise
         finally:
             for p in procs:
                 p.join(timeout=60)
