@@ -13,6 +13,9 @@ every round.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import blake3
 import torch
 
@@ -53,9 +56,10 @@ class OuterOptimizer:
         return self._digest[1]
 
 
-def state_digest(*tensors: torch.Tensor, extra: bytes = b"") -> str:
-    """A short hash of the exact bytes of ``tensors`` (and ``extra``): equal digests mean bit-identical replicas."""
-    h = blake3.blake3()  # one thread: the trainer may be using the other cores (overlap)
+def state_digest(*tensors: torch.Tensor, extra: bytes = b"", hasher: Callable[[], Any] = blake3.blake3) -> str:
+    """A short hash of the exact bytes of ``tensors`` (and ``extra``): equal digests mean bit-identical replicas.
+    ``hasher`` makes the hash object; BLAKE3 on one thread (the trainer may be using the other cores, overlap)."""
+    h = hasher()
     for t in tensors:
         h.update(t.detach().contiguous().view(torch.uint8).numpy())  # the buffer itself, no copy
     h.update(extra)

@@ -155,6 +155,9 @@ def read_tensor(body: memoryview, offset: int, count: int, dtype: torch.dtype) -
     return torch.from_numpy(raw).view(dtype)
 
 
+_READ_ONLY = "The given buffer is not writable"  # torch's warning for a tensor over a read-only buffer
+
+
 def view_tensor(body: memoryview, offset: int, count: int, dtype: torch.dtype) -> torch.Tensor:
     """``count`` elements of ``dtype`` at ``body[offset:]`` without a copy (bounds already checked), to be read
     from only: the payload's own bytes. torch warns, once per process, that such a tensor could write to a buffer
@@ -164,9 +167,6 @@ def view_tensor(body: memoryview, offset: int, count: int, dtype: torch.dtype) -
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=_READ_ONLY, category=UserWarning)
         return torch.frombuffer(body, dtype=dtype, count=count, offset=offset)
-
-
-_READ_ONLY = "The given buffer is not writable"
 
 
 def as_buffer(tensor: torch.Tensor) -> memoryview:

@@ -75,18 +75,11 @@ def outer_state(checkpoint: Checkpoint) -> tuple[int, str, dict[str, torch.Tenso
         )
     found = {k: t for k, t in tensors.items() if t is not None}
     current = state_digest(*found.values())
-    if found["theta"].shape != found["momentum"].shape or digest not in (current, _sha256_digest(*found.values())):
+    # Nodes before protocol 10 wrote a SHA-256 digest: their checkpoints still resume, with the current digest.
+    matches = digest == current or digest == state_digest(*found.values(), hasher=hashlib.sha256)
+    if found["theta"].shape != found["momentum"].shape or not matches:
         raise DamagedCheckpoint(
             f"checkpoint error: the outer state in {checkpoint.path} does not match its digest {digest[:8]} (the "
             "file is damaged)."
         )
     return round_, current, found
-
-
-def _sha256_digest(*tensors: torch.Tensor) -> str:
-    """The state digest as nodes before protocol 10 wrote it in their checkpoints (SHA-256, not BLAKE3): their
-    checkpoints still resume, and the node goes on with the current digest of the same state."""
-    h = hashlib.sha256()
-    for t in tensors:
-        h.update(t.contiguous().view(torch.uint8).numpy())
-    return h.hexdigest()[:24]
