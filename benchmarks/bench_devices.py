@@ -23,8 +23,11 @@ Without a GPU the single-node CPU rows and the CPU-only swarm run, and the GPU p
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
+import signal
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -85,6 +88,12 @@ def run_swarm(root: Path, devices: list[str], threads: list[int], args: argparse
             if code != 0:
                 tail = (dirs[i] / "node.log").read_text(errors="replace")[-2000:]
                 raise SystemExit(f"node{i} exited with {code}; its log ends with:\n{tail}")
+    except KeyboardInterrupt:  # Ctrl+C, or SIGTERM (a `timeout` around the bench): say where each node was
+        for i, run_dir in enumerate(dirs):
+            log = run_dir / "node.log"
+            tail = log.read_text(errors="replace")[-1500:] if log.exists() else "(not started)"
+            print(f"--- interrupted: node{i} on {devices[i]}, its log ends with:\n{tail}", file=sys.stderr)
+        raise
     finally:
         stop(procs)
     return [read_metrics(d / "metrics.jsonl") for d in dirs]
@@ -124,7 +133,9 @@ def main() -> None:
     parser.add_argument("--inner-time", type=float, default=10.0, help="node.inner_time_s of the swarm runs")
     parser.add_argument("--skip-swarm", action="store_true")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="a setting for every node")
+    parser.add_argument("--run-dir", type=Path, help="keep the swarm nodes' directories (logs, metrics) here")
     args = parser.parse_args()
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # a `timeout` stops it as Ctrl+C would
     console = Console(soft_wrap=True)
     present = present_devices()
     accelerators = [d for d in present if d != "cpu"]
@@ -147,7 +158,8 @@ def main() -> None:
     if args.skip_swarm:
         return
     per_node = max(1, cores // 3)
-    with tempfile.TemporaryDirectory(prefix="bench-devices-") as tmp:
+    with contextlib.ExitStack() as stack:
+        tmp = args.run_dir or Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="bench-devices-")))
         runs = [("cpu only", ["cpu"] * 3, [per_node] * 3)]
         if accelerators:
             runs.insert(0, ("mixed", [accelerators[0], "cpu", "cpu"], [2, per_node, per_node]))
