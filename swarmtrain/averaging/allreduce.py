@@ -46,7 +46,7 @@ from swarmtrain.net import PeerUnreachable, Rejected, RemoteError, RpcTimeout, T
 log = logging.getLogger(__name__)
 
 
-def _digest(payload: bytes) -> bytes:
+def _digest(payload: bytes | memoryview) -> bytes:
     return blake3.blake3(payload).digest()
 
 
@@ -130,7 +130,7 @@ class AllReduce(GroupExchange):
         # (private and unpredictable in a node: a reducer cannot know which of its parts will be checked).
         self.verify = verify if signer is not None else 0.0
         self.rng = rng or random.SystemRandom()
-        self.kept: dict[tuple[int, int], list[bytes]] = {}
+        self.kept: dict[tuple[int, int], list[bytes | memoryview]] = {}
         self.alter = alter  # tests only (attack.kind = bad-reducer): changes my shard's average before I send it
 
     # ---- helpers ----------------------------------------------------------------------------------------
@@ -139,7 +139,7 @@ class AllReduce(GroupExchange):
         return [(s, min(s + self.part_numel, length)) for s in range(0, max(length, 1), self.part_numel)]
 
     def _decode(
-        self, codec: Codec, body: bytes, numel: int, what: str, out: torch.Tensor | None = None
+        self, codec: Codec, body: bytes | memoryview, numel: int, what: str, out: torch.Tensor | None = None
     ) -> torch.Tensor:
         """The values in a payload (written into ``out`` if given), finite and within ``MAX_ABS_VALUE``."""
         try:
@@ -188,15 +188,15 @@ class AllReduce(GroupExchange):
         sig, key = proof["sig"], proof["key"]
         return len(sig).to_bytes(2, "little") + sig + len(key).to_bytes(2, "little") + key + payload
 
-    def _unseal(self, sender: str, part: Any, body: bytes) -> tuple[bytes, bytes, bytes]:
+    def _unseal(self, sender: str, part: Any, body: bytes) -> tuple[bytes | memoryview, bytes, bytes]:
         """(payload, signature, key) of a part sent to me; Rejected unless ``sender`` signed it for my shard (where
-        the swarm checks reducers)."""
+        the swarm checks reducers). The payload is a view of ``body``, not a copy."""
         if self.verify <= 0:
             return body, b"", b""
         assert self.signer is not None
         n = int.from_bytes(body[:2], "little")
         m = int.from_bytes(body[2 + n : 4 + n], "little")
-        sig, key, payload = body[2 : 2 + n], body[4 + n : 4 + n + m], body[4 + n + m :]
+        sig, key, payload = body[2 : 2 + n], body[4 + n : 4 + n + m], memoryview(body)[4 + n + m :]
         if len(body) < 4 + n + m or n > MAX_SIG_BYTES or m > MAX_KEY_BYTES:
             raise Rejected("bad part: its signature is malformed")
         proof = {"sig": sig, "key": key}
@@ -204,7 +204,7 @@ class AllReduce(GroupExchange):
             raise Rejected("bad part: not signed by its sender")
         return payload, sig, key
 
-    def _store(self, box: _Inbox, header: dict[str, Any], body: bytes, codec: Codec, what: str) -> None:
+    def _store(self, box: _Inbox, header: dict[str, Any], body: bytes | memoryview, codec: Codec, what: str) -> None:
         parts = self._parts(box.buffer.numel())
         part = header.get("part")
         if not isinstance(part, int) or not 0 <= part < len(parts):
@@ -249,8 +249,9 @@ class AllReduce(GroupExchange):
         if header.get("part") in self.results[j].parts:
             raise Rejected("duplicate result part")
         try:
-            mask, body = self._check_mask(body[: self.mask_bytes]), body[self.mask_bytes :]
-            self._store(self.results[j], header, body, self.codec_down, "result")
+            view = memoryview(body)  # slices of it, not copies of a multi-MB payload
+            mask = self._check_mask(bytes(view[: self.mask_bytes]))
+            self._store(self.results[j], header, view[self.mask_bytes :], self.codec_down, "result")
             self.results[j].masks[header["part"]] = mask
         except Rejected as exc:
             self.liveness.mark_dead(sender, f"sent a bad result ({exc})")
