@@ -9,12 +9,14 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
 
 from swarmtrain.cli import main
 from swarmtrain.config import load_config
 from swarmtrain.net import MemoryNetwork
 from swarmtrain.node.doctor import check_clock
 from swarmtrain.node.settings import ConfigMismatch, ask_settings, check_settings, serve_settings, swarm_settings
+from swarmtrain.train.device import present_devices
 from tests.swarm import TINY, Swarm
 
 
@@ -63,6 +65,26 @@ def test_doctor_names_an_unwritable_run_dir(capsys: pytest.CaptureFixture[str], 
     assert code == 1
     assert f"FAIL  run directory: cannot write to {small_fs} (Read-only file system)" in out, out
     assert f"fix: give --run-dir a directory you can write to, or make it writable (chmod u+w {small_fs})" in out
+
+
+def test_doctor_names_the_device_the_inner_steps_run_on_and_an_absent_one(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, text_file: Path
+) -> None:
+    absent = f"cuda:{torch.cuda.device_count()}"  # one past the last GPU: absent on every machine
+    args = [*tiny(text_file, tmp_path), "--run-dir", str(tmp_path / "run")]
+    code, out = doctor(capsys, *args, "--set", f"train.device={absent}")
+    present = ", ".join(present_devices())
+    assert code == 1
+    assert f"FAIL  device: train.device = '{absent}' is not on this machine (present: {present})" in out, out
+    assert "fix: set train.device to a present device, or to auto to take the best one" in out, out
+    assert "ok    p2p daemon" in out, out  # the other checks still ran
+
+    code, out = doctor(capsys, *args)
+    assert code == 0, out
+    best = present_devices()[0]
+    assert f"ok    device: {best}" in out, out
+    if best == "cpu":  # auto found no GPU: the line says why, so a user with one knows what to fix
+        assert "no GPU found (torch " in out and ("CPU-only build" in out or "CUDA finds no GPU" in out), out
 
 
 def test_doctor_names_an_announced_address_nobody_answers(

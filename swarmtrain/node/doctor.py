@@ -4,10 +4,11 @@
     swarmtrain doctor --config run.toml --join /ip4/203.0.113.5/tcp/31337/p2p/12D3KooW...
 
 Checks, in order: the run directory is writable and its disk holds the checkpoints, the data is readable, the
-listen ports are free, the p2p daemon starts, each announced address can be dialled, and (with --join) the swarm
-answers, its settings (run id, model shape and exits, codec, outer step) are this config's, its clocks are
-within ``settings.MAX_CLOCK_SKEW_S`` of this machine's, and its peers can dial this machine back on its addresses
-(``net.reachability``). Exit status 1 when one fails.
+inner steps' device (``train.device``) is on this machine, the listen ports are free, the p2p daemon starts, each
+announced address can be dialled, and (with --join) the swarm answers, its settings (run id, model shape and
+exits, codec, outer step) are this config's, its clocks are within ``settings.MAX_CLOCK_SKEW_S`` of this
+machine's, and its peers can dial this machine back on its addresses (``net.reachability``). Exit status 1 when
+one fails.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
 from hivemind.p2p import P2P
 from hivemind.utils.crypto import RSAPrivateKey
 
@@ -30,6 +32,7 @@ from swarmtrain.net import P2PTransport, load_auth, reachability, verify_swarm
 from swarmtrain.net.reachability import Reachability, ask_dialback, dialable
 from swarmtrain.node import settings
 from swarmtrain.node.settings import Answer, ask_settings, differences, fix_for, majority, swarm_settings
+from swarmtrain.train.device import present_devices
 
 CHECKPOINT_COPIES = 5  # float32 copies of the parameters in a node checkpoint: model, AdamW m and v, theta_g, momentum
 
@@ -101,6 +104,28 @@ def check_data(config: Config) -> Check:
     except SwarmtrainError as exc:
         return Check("data", False, str(exc), "point --data (data.path) at a readable text file or folder")
     return Check("data", True, f"{config.data.path or 'the Python standard library source'} is readable")
+
+
+def check_device(config: Config) -> Check:
+    """Where the inner steps will run: ``train.device`` on this machine, and why the CPU when it is the CPU."""
+    asked, present = config.train.device, present_devices()
+    if config.train.trainer == "localtrain":
+        return Check("device", True, "cpu (localtrain runs its stages on the CPU)")
+    device = present[0] if asked == "auto" else "cuda:0" if asked == "cuda" else asked
+    if device not in present:
+        return Check(
+            "device",
+            False,
+            f"train.device = {asked!r} is not on this machine (present: {', '.join(present)})",
+            "set train.device to a present device, or to auto to take the best one",
+        )
+    if device.startswith("cuda"):
+        props = torch.cuda.get_device_properties(device)
+        return Check("device", True, f"{device} ({props.name}, {props.total_memory / 2**30:.0f} GiB)")
+    if device == "cpu" and asked == "auto":
+        why = "a CPU-only build" if torch.version.cuda is None else "a CUDA build, but CUDA finds no GPU"
+        return Check("device", True, f"cpu: no GPU found (torch {torch.__version__} is {why})")
+    return Check("device", True, device)
 
 
 def _tcp_ports(addrs: list[str]) -> list[tuple[str, int]]:
@@ -246,7 +271,7 @@ def run_checks(config: Config, say: Callable[[Check], None]) -> bool:
     import uvloop
 
     results = []
-    for check in (check_run_dir, check_disk, check_data, check_ports):
+    for check in (check_run_dir, check_disk, check_data, check_device, check_ports):
         results.append(check(config))
         say(results[-1])
 
