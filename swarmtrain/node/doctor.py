@@ -27,12 +27,12 @@ from hivemind.p2p import P2P
 from hivemind.utils.crypto import RSAPrivateKey
 
 from swarmtrain.config import Config
-from swarmtrain.errors import SwarmtrainError
+from swarmtrain.errors import ConfigError, SwarmtrainError
 from swarmtrain.net import P2PTransport, load_auth, reachability, verify_swarm
 from swarmtrain.net.reachability import Reachability, ask_dialback, dialable
 from swarmtrain.node import settings
 from swarmtrain.node.settings import Answer, ask_settings, differences, fix_for, majority, swarm_settings
-from swarmtrain.train.device import present_devices
+from swarmtrain.train.device import present_devices, resolve_device
 
 CHECKPOINT_COPIES = 5  # float32 copies of the parameters in a node checkpoint: model, AdamW m and v, theta_g, momentum
 
@@ -108,24 +108,25 @@ def check_data(config: Config) -> Check:
 
 def check_device(config: Config) -> Check:
     """Where the inner steps will run: ``train.device`` on this machine, and why the CPU when it is the CPU."""
-    asked, present = config.train.device, present_devices()
+    asked = config.train.device
     if config.train.trainer == "localtrain":
         return Check("device", True, "cpu (localtrain runs its stages on the CPU)")
-    device = present[0] if asked == "auto" else "cuda:0" if asked == "cuda" else asked
-    if device not in present:
+    try:
+        device = resolve_device(asked)
+    except ConfigError:
         return Check(
             "device",
             False,
-            f"train.device = {asked!r} is not on this machine (present: {', '.join(present)})",
+            f"train.device = {asked!r} is not on this machine (present: {', '.join(present_devices())})",
             "set train.device to a present device, or to auto to take the best one",
         )
-    if device.startswith("cuda"):
+    if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
         return Check("device", True, f"{device} ({props.name}, {props.total_memory / 2**30:.0f} GiB)")
-    if device == "cpu" and asked == "auto":
+    if device.type == "cpu" and asked == "auto":
         why = "a CPU-only build" if torch.version.cuda is None else "a CUDA build, but CUDA finds no GPU"
         return Check("device", True, f"cpu: no GPU found (torch {torch.__version__} is {why})")
-    return Check("device", True, device)
+    return Check("device", True, str(device))
 
 
 def _tcp_ports(addrs: list[str]) -> list[tuple[str, int]]:
