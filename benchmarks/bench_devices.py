@@ -80,14 +80,22 @@ def run_swarm(root: Path, devices: list[str], threads: list[int], args: argparse
         for run_dir, node_settings in zip(dirs[1:], settings[1:], strict=True):
             procs.append(start_node(run_dir, args.rounds, first, node_settings, isolated=True))
         bound = 120 + args.rounds * (args.inner_time + 60)  # generous; a hung node fails the run, never hangs it
-        for i, proc in enumerate(procs):
-            try:
-                code = proc.wait(timeout=bound)
-            except subprocess.TimeoutExpired:
-                code = f"nothing (still running after {bound:.0f} s)"
-            if code != 0:
-                tail = (dirs[i] / "node.log").read_text(errors="replace")[-2000:]
-                raise SystemExit(f"node{i} exited with {code}; its log ends with:\n{tail}")
+        started, reported = time.monotonic(), 0
+        while any(proc.poll() is None for proc in procs) and time.monotonic() - started < bound:
+            if any(proc.poll() not in (None, 0) for proc in procs):
+                break  # a node failed: the others would wait for it until the bound
+            time.sleep(1.0)
+            done = min(sum(r.get("kind") == "round" for r in read_metrics(d / "metrics.jsonl")) for d in dirs)
+            for k in range(reported, done):  # progress, so a slow run shows where its time goes
+                print(f"  round {k} ended on all nodes after {time.monotonic() - started:.0f} s", flush=True)
+            reported = max(reported, done)
+        codes = [proc.poll() for proc in procs]
+        failed = [i for i, c in enumerate(codes) if c not in (None, 0)]
+        stuck = [i for i, c in enumerate(codes) if c is None]
+        for i in failed or stuck:  # a node that failed first: the others were only waiting for it
+            code = codes[i] if codes[i] is not None else f"nothing (still running after {bound:.0f} s)"
+            tail = (dirs[i] / "node.log").read_text(errors="replace")[-2000:]
+            raise SystemExit(f"node{i} exited with {code}; its log ends with:\n{tail}")
     except KeyboardInterrupt:  # Ctrl+C, or SIGTERM (a `timeout` around the bench): say where each node was
         for i, run_dir in enumerate(dirs):
             log = run_dir / "node.log"
