@@ -90,9 +90,10 @@ def run_swarm(root: Path, devices: list[str], threads: list[int], args: argparse
                 print(f"  round {k} ended on all nodes after {time.monotonic() - started:.0f} s", flush=True)
             reported = max(reported, done)
         codes = [proc.poll() for proc in procs]
-        failed = [i for i, c in enumerate(codes) if c not in (None, 0)]
-        stuck = [i for i, c in enumerate(codes) if c is None]
-        for i in failed or stuck:  # a node that failed first: the others were only waiting for it
+        # A node that failed is named before one still running: the others were only waiting for it.
+        bad = [i for i, c in enumerate(codes) if c not in (None, 0)] + [i for i, c in enumerate(codes) if c is None]
+        if bad:
+            i = bad[0]
             code = codes[i] if codes[i] is not None else f"nothing (still running after {bound:.0f} s)"
             tail = (dirs[i] / "node.log").read_text(errors="replace")[-2000:]
             raise SystemExit(f"node{i} exited with {code}; its log ends with:\n{tail}")
