@@ -1,17 +1,22 @@
 """Our group all-reduce vs the transport's limit and vs hivemind's DecentralizedAverager, side by side in one run.
 
     python benchmarks/bench_allreduce.py --peers 4 --numel 10000000 --rounds 5
+    python benchmarks/bench_allreduce.py --mbit 1000        # each peer behind a link of 1 Gbit/s each way
 
 Each system runs PEERS processes on loopback that average a NUMEL-element fp32 tensor, with fp32 and with fp16
 payloads. ``raw`` is the transport's limit: the same processes and daemons (our ``P2PTransport``), each sending
 the bytes a butterfly all-reduce sends, 2 x payload / PEERS to each other peer, all at once, in frames of a
-node's part size, with no encoding, no reduction and no protocol around it.
+node's part size (``--part-numel``), with no encoding, no reduction and no protocol around it.
+With ``--mbit``, each peer runs in a network namespace of its own whose veth the kernel's ``tbf`` holds to that
+rate each way (root and iproute2, as the scenarios' links: ``swarmtrain/scenarios/links.py``), so all three
+systems cross the same links; without root, ``--shaper transport`` paces our transport instead (ours and raw
+only). On loopback as is, four peers on two cores measure their CPU more than the transport.
 Reported per case:
 - group wall time: per round, from the moment the last peer calls its step to the moment the last peer is
   done (so waiting for stragglers is not counted, matchmaking is), median over the timed rounds;
-- bytes sent per peer per round: everything the loopback interface carried during the timed rounds
-  (payloads, framing, matchmaking, DHT), divided by peers and rounds; the ideal for a butterfly all-reduce
-  is 2 (n - 1) / n x payload;
+- bytes sent per peer per round: everything the loopback interface (or the peers' links) carried during the
+  timed rounds (payloads, framing, matchmaking, DHT), divided by peers and rounds; the ideal for a butterfly
+  all-reduce is 2 (n - 1) / n x payload;
 - CPU seconds per peer per round (ours and raw): the peer process's own CPU time over the timed rounds (its p2p
   daemon not counted). Where peers outnumber cores, a round is bound by this, not by the transfer.
 ``--profile`` also prints where the first of our peers spent its CPU time in a round (cProfile, timed rounds).
@@ -21,19 +26,25 @@ The last columns are our time over the raw transfer's and over hivemind's for th
 from __future__ import annotations
 
 import argparse
+import asyncio
+import contextlib
 import cProfile
+import ctypes
 import json
 import multiprocessing as mp
+import os
 import pstats
 import statistics
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from tempfile import TemporaryDirectory
 
 import torch
 
 from swarmtrain.config import AveragingConfig
+from swarmtrain.scenarios.links import Network, kernel_available
 
 
 def lo_tx_bytes() -> int:
@@ -42,6 +53,41 @@ def lo_tx_bytes() -> int:
         if name.strip() == "lo":
             return int(fields.split()[8])
     raise RuntimeError("no loopback interface in /proc/net/dev")
+
+
+def sent_bytes(net: Network | None) -> int:
+    """Bytes the peers have sent: the loopback's count, or with shaped links what their veths' host ends took in."""
+    if net is None:
+        return lo_tx_bytes()
+    return sum(
+        int(Path(f"/sys/class/net/{link.host_dev}/statistics/rx_bytes").read_text()) for link in net.links.values()
+    )
+
+
+@dataclass(frozen=True)
+class Link:
+    """Where a peer runs: its network namespace (None: this one) and its address there, and the pacing of our
+    transport (``--shaper transport``; 0: none)."""
+
+    netns: str | None = None
+    host: str = "127.0.0.1"
+    pace_mbit: float = 0.0
+
+    def enter(self) -> None:
+        """Move this process into its namespace, before it opens a socket or starts a daemon (they inherit it)."""
+        if self.netns is None:
+            return
+        libc = ctypes.CDLL(None, use_errno=True)
+        fd = os.open(f"/run/netns/{self.netns}", os.O_RDONLY)
+        try:
+            if libc.setns(fd, 0x40000000) != 0:  # CLONE_NEWNET
+                raise OSError(ctypes.get_errno(), f"setns into network namespace {self.netns} failed")
+        finally:
+            os.close(fd)
+
+    @property
+    def maddr(self) -> str:
+        return f"/ip4/{self.host}/tcp/0"
 
 
 def _wait_for(path: Path, timeout: float = 120.0, procs: Sequence[mp.process.BaseProcess] = ()) -> None:
@@ -62,10 +108,19 @@ def _barrier(workdir: Path, idx: int) -> None:
     _wait_for(workdir / "go", timeout=600)
 
 
+async def _barrier_serving(workdir: Path, idx: int) -> None:
+    """``_barrier`` for a peer whose event loop serves the others meanwhile: a peer done with its warm-up round
+    may still owe another peer the answer to that round's last call (late when links are paced), and a
+    blocked loop would never send it, so that peer would never be ready."""
+    await asyncio.to_thread(_barrier, workdir, idx)
+
+
 PART_NUMEL = AveragingConfig().part_numel  # what a node uses by default
 
 
-def ours_worker(idx: int, peers: int, numel: int, codec: str, rounds: int, workdir: str) -> None:
+def ours_worker(
+    idx: int, peers: int, numel: int, codec: str, rounds: int, workdir: str, link: Link, part_numel: int
+) -> None:
     import uvloop
     from hivemind.p2p import P2P
 
@@ -74,16 +129,17 @@ def ours_worker(idx: int, peers: int, numel: int, codec: str, rounds: int, workd
     from swarmtrain.net import P2PTransport
 
     torch.set_num_threads(1)
+    link.enter()
     work = Path(workdir)
 
     async def main() -> None:
         join = [] if idx == 0 else [(work / "maddr0").read_text()]
-        p2p = await P2P.create(initial_peers=join or None, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+        p2p = await P2P.create(initial_peers=join or None, host_maddrs=[link.maddr])
         (work / f"maddr{idx}").write_text(str((await p2p.get_visible_maddrs())[0]))
-        transport = P2PTransport(p2p)
+        transport = P2PTransport(p2p, up_mbit=link.pace_mbit, down_mbit=link.pace_mbit)
         averager = Averager(
             transport, torch.zeros(numel), run_id="bench", group_size=peers, outer_lr=1.0, outer_momentum=0.0,
-            codec_up=get_codec(codec), codec_down=get_codec(codec), part_numel=PART_NUMEL, min_deadline=60.0,
+            codec_up=get_codec(codec), codec_down=get_codec(codec), part_numel=part_numel, min_deadline=60.0,
             deadline_factor=10.0,
         )  # fmt: skip
         await averager.start()
@@ -96,7 +152,7 @@ def ours_worker(idx: int, peers: int, numel: int, codec: str, rounds: int, workd
         times = []
         for r in range(rounds + 1):
             if r == 1:
-                _barrier(work, idx)
+                await _barrier_serving(work, idx)
                 cpu = time.process_time()
                 if profiler is not None:
                     profiler.enable()
@@ -108,39 +164,34 @@ def ours_worker(idx: int, peers: int, numel: int, codec: str, rounds: int, workd
             profiler.disable()
             profiler.dump_stats(work / "peer0.prof")
         (work / f"result{idx}.json").write_text(json.dumps(times[1:]))
-        await asyncio_sleep(1.0)  # let the others finish reading our last results
+        await asyncio.sleep(1.0)  # let the others finish reading our last results
         await p2p.shutdown()
 
     uvloop.run(main())
 
 
-async def asyncio_sleep(seconds: float) -> None:
-    import asyncio
-
-    await asyncio.sleep(seconds)
-
-
-def raw_worker(idx: int, peers: int, numel: int, codec: str, rounds: int, workdir: str) -> None:
+def raw_worker(
+    idx: int, peers: int, numel: int, codec: str, rounds: int, workdir: str, link: Link, part_numel: int
+) -> None:
     """Send 2 x payload / peers bytes to every other peer at once, every round; a round ends for this peer when
     its sends are done and every other peer's bytes of that round arrived."""
-    import asyncio
-
     import uvloop
     from hivemind.p2p import P2P
 
     from swarmtrain.net import P2PTransport
 
+    link.enter()
     work = Path(workdir)
     elem = 2 if codec == "fp16" else 4
-    frame = PART_NUMEL * elem
+    frame = part_numel * elem
     share = 2 * numel * elem // peers
     frames = [b"\x01" * frame] * (share // frame) + ([b"\x01" * (share % frame)] if share % frame else [])
 
     async def main() -> None:
         join = [] if idx == 0 else [(work / "maddr0").read_text()]
-        p2p = await P2P.create(initial_peers=join or None, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+        p2p = await P2P.create(initial_peers=join or None, host_maddrs=[link.maddr])
         (work / f"maddr{idx}").write_text(str((await p2p.get_visible_maddrs())[0]))
-        transport = P2PTransport(p2p)
+        transport = P2PTransport(p2p, up_mbit=link.pace_mbit, down_mbit=link.pace_mbit)
         arrived: dict[int, set[str]] = {}
         events: dict[int, asyncio.Event] = {}
 
@@ -168,7 +219,7 @@ def raw_worker(idx: int, peers: int, numel: int, codec: str, rounds: int, workdi
         times = []
         for r in range(rounds + 1):
             if r == 1:
-                _barrier(work, idx)
+                await _barrier_serving(work, idx)
                 cpu = time.process_time()
             start = time.time()
             await asyncio.gather(*(send(p, r) for p in others))
@@ -182,16 +233,17 @@ def raw_worker(idx: int, peers: int, numel: int, codec: str, rounds: int, workdi
     uvloop.run(main())
 
 
-def hivemind_worker(idx: int, peers: int, numel: int, codec: str, rounds: int, workdir: str) -> None:
+def hivemind_worker(idx: int, peers: int, numel: int, codec: str, rounds: int, workdir: str, link: Link) -> None:
     from hivemind.averaging import DecentralizedAverager
     from hivemind.compression import Float16Compression, NoCompression
     from hivemind.dht import DHT
 
     mp.set_start_method("fork", force=True)  # hivemind's DHT and averager are fork-started mp.Process children
     torch.set_num_threads(1)
+    link.enter()
     work = Path(workdir)
     join = [] if idx == 0 else [(work / "maddr0").read_text()]
-    dht = DHT(initial_peers=join, host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True)
+    dht = DHT(initial_peers=join, host_maddrs=[link.maddr], start=True)
     (work / f"maddr{idx}").write_text(str(dht.get_visible_maddrs()[0]))
     tensor = torch.randn(numel, generator=torch.Generator().manual_seed(idx))
     averager = DecentralizedAverager(
@@ -233,28 +285,50 @@ def print_profile(path: Path, rounds: int) -> None:
 
 
 def run_case(
-    system: str, peers: int, numel: int, codec: str, rounds: int, verbose: bool = False, profile: bool = False
+    system: str,
+    peers: int,
+    numel: int,
+    codec: str,
+    rounds: int,
+    verbose: bool = False,
+    profile: bool = False,
+    mbit: float = 0.0,
+    shaper: str = "kernel",
+    part_numel: int = PART_NUMEL,
 ) -> dict[str, float]:
+    """One system's timed rounds; with ``mbit``, each peer's link is that many Mbit/s each way (``shaper``: a network
+    namespace per peer shaped by the kernel, or our transport's pacing, which hivemind does not use)."""
     worker = {"swarmtrain": ours_worker, "raw": raw_worker, "hivemind": hivemind_worker}[system]
+    parts = () if system == "hivemind" else (part_numel,)  # hivemind streams in parts of its own
     ctx = mp.get_context("spawn")
-    with TemporaryDirectory() as tmp:
+    with TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
+        net = None
+        if mbit and shaper == "kernel":
+            net = Network()
+            stack.callback(net.close)
+            links = [net.add(f"peer{i}", mbit, mbit) for i in range(peers)]
+            where = [Link(link.namespace, link.address) for link in links]
+        else:
+            where = [Link(pace_mbit=mbit)] * peers
         work = Path(tmp)
         if profile and system == "swarmtrain":
             (work / "profile").touch()
         procs = []
         for i in range(peers):
-            procs.append(ctx.Process(target=worker, args=(i, peers, numel, codec, rounds, tmp), daemon=False))
+            procs.append(
+                ctx.Process(target=worker, args=(i, peers, numel, codec, rounds, tmp, where[i], *parts), daemon=False)
+            )
             procs[-1].start()
             if i == 0:
                 _wait_for(work / "maddr0")
         try:
             for i in range(peers):
                 _wait_for(work / f"ready{i}", timeout=300, procs=procs)
-            before = lo_tx_bytes()
+            before = sent_bytes(net)
             (work / "go").touch()
             for i in range(peers):
                 _wait_for(work / f"result{i}.json", timeout=600, procs=procs)
-            after = lo_tx_bytes()
+            after = sent_bytes(net)
         except BaseException:
             for p in procs:
                 p.terminate()  # the others would wait for the dead peer's bytes until their timeouts
@@ -289,8 +363,35 @@ def main() -> None:
     parser.add_argument("--systems", default="swarmtrain,raw,hivemind")
     parser.add_argument("--verbose", action="store_true", help="print where each of our rounds spent its time")
     parser.add_argument("--profile", action="store_true", help="print where our first peer spent its CPU time")
+    parser.add_argument(
+        "--mbit", type=float, default=0.0,
+        help="each peer's link, up and down, in Mbit/s (0: loopback, unshaped)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--shaper", choices=("auto", "kernel", "transport"), default="auto",
+        help="how --mbit is enforced: a network namespace per peer with the kernel's tbf (root, iproute2), or our "
+        "transport's pacing (no root; not for hivemind); auto: the kernel where it can",
+    )  # fmt: skip
+    parser.add_argument(
+        "--part-numel", type=int, default=PART_NUMEL,
+        help=f"elements per streamed part (averaging.part_numel, default {PART_NUMEL:,}); the raw transfer's frames",
+    )  # fmt: skip
     args = parser.parse_args()
-    print(f"{args.peers} peers x {args.numel:,} fp32 elements, {args.rounds} timed rounds each (after one warm-up)")
+    if args.part_numel < 1024:
+        parser.error(f"--part-numel {args.part_numel} is below 1024, the least averaging.part_numel accepts")
+    if args.mbit < 0:
+        parser.error(f"--mbit {args.mbit:g} is negative: give a link rate in Mbit/s, or 0 for none")
+    shaper = ("kernel" if kernel_available() else "transport") if args.shaper == "auto" else args.shaper
+    if args.mbit and shaper == "kernel" and not kernel_available():
+        parser.error("--shaper kernel needs root and the ip and tc tools (iproute2); or use --shaper transport")
+    if args.mbit and shaper == "transport" and "hivemind" in args.systems.split(","):
+        parser.error(
+            "--shaper transport paces our transport, which hivemind does not use: add --systems swarmtrain,raw"
+        )
+    link = f", links of {args.mbit:g} Mbit/s each way ({shaper})" if args.mbit else ""
+    print(
+        f"{args.peers} peers x {args.numel:,} fp32 elements, {args.rounds} timed rounds each (after one warm-up){link}"
+    )
     print(
         f"{'codec':6} {'system':10} {'wall s':>8} {'MB sent/peer':>13} {'ideal MB':>9} {'ok':>4} {'ours/it':>8} "
         f"{'CPU s/peer':>11}"
@@ -299,7 +400,18 @@ def main() -> None:
         payload = args.numel * (2 if codec == "fp16" else 4)
         ideal = 2 * (args.peers - 1) / args.peers * payload
         cases = {
-            s: run_case(s, args.peers, args.numel, codec, args.rounds, args.verbose, args.profile)
+            s: run_case(
+                s,
+                args.peers,
+                args.numel,
+                codec,
+                args.rounds,
+                args.verbose,
+                args.profile,
+                args.mbit,
+                shaper,
+                args.part_numel,
+            )
             for s in args.systems.split(",")
         }
         for system, c in cases.items():
