@@ -3,13 +3,16 @@ round; a restarted node catches up with the swarm and ends every later round wit
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -21,6 +24,7 @@ from swarmtrain.compression import get_codec
 from swarmtrain.data import load_corpus
 from swarmtrain.errors import CheckpointError
 from swarmtrain.net import MemoryNetwork
+from swarmtrain.node import node as node_module
 from swarmtrain.node.inner import LocalTrainLoop, StandardLoop
 from swarmtrain.node.node import Node
 from swarmtrain.node.resume import open_run_dir
@@ -62,6 +66,48 @@ def test_a_node_checkpoint_restores_theta_g_the_optimizers_and_the_round(tmp_pat
     inner.run(2)
     resumed.run(2)
     assert torch.equal(resumed.vector(), inner.vector())
+
+
+async def test_a_node_goes_on_answering_while_its_checkpoint_is_written(
+    tmp_path: Path, text_file: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A round's checkpoint is written beside the event loop: the swarm's calls (a round's last relays, pings, a
+    joiner's state download) are answered meanwhile, not after seconds of a large model's write and fsync. The
+    write is made to take 1 s here; the loop must not stall for half of it."""
+    config = tiny_config(tmp_path, text_file)
+    inner = StandardLoop(config, load_corpus(config.data), data_seed=7)
+    averager = outer(inner.vector())
+    averager.round = 4
+    write = node_module.save_checkpoint
+
+    def slow_disk(*args: Any, **kwargs: Any) -> Path:
+        time.sleep(1.0)
+        return write(*args, **kwargs)
+
+    monkeypatch.setattr(node_module, "save_checkpoint", slow_disk)
+    loop = asyncio.get_running_loop()
+    gaps: list[float] = []
+
+    async def tick() -> None:
+        last = loop.time()
+        while True:
+            await asyncio.sleep(0.01)
+            gaps.append(loop.time() - last)
+            last = loop.time()
+
+    ticker = asyncio.create_task(tick())
+    started = loop.time()
+    await Node(config)._checkpoint_serving(inner, averager)
+    waited = loop.time() - started
+    ticker.cancel()
+    assert waited >= 1.0 and max(gaps) < 0.5, (waited, max(gaps))
+    checkpoint = open_run_dir(config, resume=True)
+    assert checkpoint is not None
+    restored = outer(torch.zeros_like(averager.outer.theta))
+    Node(config, resume=True)._restore(
+        checkpoint, StandardLoop(config, load_corpus(config.data), data_seed=7), restored
+    )
+    assert restored.round == 4 and restored.outer.digest() == averager.outer.digest()
 
 
 def test_a_checkpoint_written_with_the_sha256_state_digest_still_resumes(tmp_path: Path, text_file: Path) -> None:

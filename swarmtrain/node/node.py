@@ -144,6 +144,7 @@ class Node:
         self._trainer: InnerLoop | None = None
         self._averager: Averager | None = None
         self._last_group: tuple[str, ...] = ()  # the members of my last round with others
+        self._saving: asyncio.Future[None] | None = None  # the checkpoint being written beside the event loop
         self.status = NodeStatus()  # why this node is or is not contributing: DHT record, metrics, /status
         self.metrics = NodeMetrics()
         self.status.listeners.append(self.metrics.on_state)
@@ -250,6 +251,8 @@ class Node:
                         task.cancel()
                 with contextlib.suppress(Exception):
                     await asyncio.wait_for(membership.leave(), 3.0)
+                if self._saving is not None:  # stopped while a round's checkpoint was being written: it ends first
+                    await asyncio.wait([self._saving])
                 await asyncio.to_thread(trainer.stop)  # an interrupted round's steps end before the checkpoint
                 self._checkpoint(trainer, averager)
         finally:
@@ -520,7 +523,7 @@ class Node:
                 idle = 0.0 if ended is None else max(began - ended, 0.0)
                 ended = began + inner_s
                 if checkpoint_due:  # the last round's, now that no step runs
-                    self._checkpoint(trainer, averager)
+                    await self._checkpoint_serving(trainer, averager)
                     checkpoint_due = False
                 last_inner = inner_s
                 if not self.leaving:
@@ -601,7 +604,7 @@ class Node:
             )  # fmt: skip
             if averager.round % node.checkpoint_every == 0:
                 if pending is None:
-                    self._checkpoint(trainer, averager)
+                    await self._checkpoint_serving(trainer, averager)
                 else:
                     checkpoint_due = True
             if self.leaving and pending is None:
@@ -734,6 +737,14 @@ class Node:
         record = {**record, "time": round(time.time(), 3)}  # wall clock: merges several nodes' metrics (scenarios)
         with open(self.metrics_path, "a", encoding="utf-8") as f:
             f.write(json.dumps(record) + "\n")
+
+    async def _checkpoint_serving(self, trainer: InnerLoop, averager: Averager) -> None:
+        """``_checkpoint`` in a thread, so that the event loop goes on answering the swarm (a round's last relays,
+        pings, a joiner's state download) while the state is written and synced to disk: seconds for a large model.
+        Nothing changes that state meanwhile: no inner step runs, and only the round loop, which waits here, starts
+        one or a round."""
+        self._saving = asyncio.ensure_future(asyncio.to_thread(self._checkpoint, trainer, averager))
+        await asyncio.shield(self._saving)  # a stopped node waits for it before its last checkpoint
 
     def _checkpoint(self, trainer: InnerLoop, averager: Averager) -> None:
         tensors, meta = trainer.state(averager.outer.theta)
