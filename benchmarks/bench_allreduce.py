@@ -65,7 +65,7 @@ def sent_bytes(net: Network | None) -> int:
 
 
 @dataclass(frozen=True)
-class Link:
+class PeerLink:
     """Where a peer runs: its network namespace (None: this one) and its address there, and the pacing of our
     transport (``--shaper transport``; 0: none)."""
 
@@ -119,7 +119,7 @@ PART_NUMEL = AveragingConfig().part_numel  # what a node uses by default
 
 
 def ours_worker(
-    idx: int, peers: int, numel: int, codec: str, rounds: int, workdir: str, link: Link, part_numel: int
+    idx: int, peers: int, numel: int, codec: str, rounds: int, workdir: str, link: PeerLink, part_numel: int
 ) -> None:
     import uvloop
     from hivemind.p2p import P2P
@@ -171,7 +171,7 @@ def ours_worker(
 
 
 def raw_worker(
-    idx: int, peers: int, numel: int, codec: str, rounds: int, workdir: str, link: Link, part_numel: int
+    idx: int, peers: int, numel: int, codec: str, rounds: int, workdir: str, link: PeerLink, part_numel: int
 ) -> None:
     """Send 2 x payload / peers bytes to every other peer at once, every round; a round ends for this peer when
     its sends are done and every other peer's bytes of that round arrived."""
@@ -233,7 +233,7 @@ def raw_worker(
     uvloop.run(main())
 
 
-def hivemind_worker(idx: int, peers: int, numel: int, codec: str, rounds: int, workdir: str, link: Link) -> None:
+def hivemind_worker(idx: int, peers: int, numel: int, codec: str, rounds: int, workdir: str, link: PeerLink) -> None:
     from hivemind.averaging import DecentralizedAverager
     from hivemind.compression import Float16Compression, NoCompression
     from hivemind.dht import DHT
@@ -307,9 +307,9 @@ def run_case(
             net = Network()
             stack.callback(net.close)
             links = [net.add(f"peer{i}", mbit, mbit) for i in range(peers)]
-            where = [Link(link.namespace, link.address) for link in links]
+            where = [PeerLink(link.namespace, link.address) for link in links]
         else:
-            where = [Link(pace_mbit=mbit)] * peers
+            where = [PeerLink(pace_mbit=mbit)] * peers
         work = Path(tmp)
         if profile and system == "swarmtrain":
             (work / "profile").touch()
