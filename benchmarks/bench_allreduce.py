@@ -34,7 +34,9 @@ import json
 import multiprocessing as mp
 import os
 import pstats
+import signal
 import statistics
+import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -313,15 +315,13 @@ def run_case(
         work = Path(tmp)
         if profile and system == "swarmtrain":
             (work / "profile").touch()
-        procs = []
-        for i in range(peers):
-            procs.append(
-                ctx.Process(target=worker, args=(i, peers, numel, codec, rounds, tmp, where[i], *parts), daemon=False)
-            )
-            procs[-1].start()
-            if i == 0:
-                _wait_for(work / "maddr0")
+        procs: list[mp.process.BaseProcess] = []
         try:
+            for i in range(peers):
+                procs.append(ctx.Process(target=worker, args=(i, peers, numel, codec, rounds, tmp, where[i], *parts)))
+                procs[-1].start()
+                if i == 0:
+                    _wait_for(work / "maddr0", procs=procs)
             for i in range(peers):
                 _wait_for(work / f"ready{i}", timeout=300, procs=procs)
             before = sent_bytes(net)
@@ -377,6 +377,8 @@ def main() -> None:
         help=f"elements per streamed part (averaging.part_numel, default {PART_NUMEL:,}); the raw transfer's frames",
     )  # fmt: skip
     args = parser.parse_args()
+    # A stopped run (timeout, kill) still ends its peers and removes its namespaces, as an interrupted one does.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     if args.part_numel < 1024:
         parser.error(f"--part-numel {args.part_numel} is below 1024, the least averaging.part_numel accepts")
     if args.mbit < 0:
