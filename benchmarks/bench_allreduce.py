@@ -377,8 +377,10 @@ def main() -> None:
         help=f"elements per streamed part (averaging.part_numel, default {PART_NUMEL:,}); the raw transfer's frames",
     )  # fmt: skip
     args = parser.parse_args()
-    # A stopped run (timeout, kill) still ends its peers and removes its namespaces, as an interrupted one does.
+    # A stopped run (timeout, kill) still ends its peers and removes its namespaces, as an interrupted one does;
+    # Ctrl+C interrupts even where the shell started the run with SIGINT ignored (a background job).
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     if args.part_numel < 1024:
         parser.error(f"--part-numel {args.part_numel} is below 1024, the least averaging.part_numel accepts")
     if args.mbit < 0:
