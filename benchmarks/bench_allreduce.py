@@ -34,9 +34,7 @@ import json
 import multiprocessing as mp
 import os
 import pstats
-import signal
 import statistics
-import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -47,6 +45,7 @@ import torch
 
 from swarmtrain.config import AveragingConfig
 from swarmtrain.scenarios.links import Network, kernel_available
+from swarmtrain.signals import stop_on_signals
 
 
 def lo_tx_bytes() -> int:
@@ -377,10 +376,6 @@ def main() -> None:
         help=f"elements per streamed part (averaging.part_numel, default {PART_NUMEL:,}); the raw transfer's frames",
     )  # fmt: skip
     args = parser.parse_args()
-    # A stopped run (timeout, kill) still ends its peers and removes its namespaces, as an interrupted one does;
-    # Ctrl+C interrupts even where the shell started the run with SIGINT ignored (a background job).
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
-    signal.signal(signal.SIGINT, signal.default_int_handler)
     if args.part_numel < 1024:
         parser.error(f"--part-numel {args.part_numel} is below 1024, the least averaging.part_numel accepts")
     if args.mbit < 0:
@@ -434,4 +429,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    # Ctrl+C, SIGTERM (a `timeout`, kill) or SIGHUP, however the run was started: it ends its peers and removes its
+    # namespaces on the way out.
+    with stop_on_signals():
+        main()

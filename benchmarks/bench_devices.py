@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
-import signal
 import subprocess
 import sys
 import tempfile
@@ -40,6 +39,7 @@ from swarmtrain.config import load_config
 from swarmtrain.data import load_corpus
 from swarmtrain.model import ByteTransformer, count_parameters
 from swarmtrain.node.demo import read_metrics, start_node, stop, wait_for_join_line
+from swarmtrain.signals import stop_on_signals
 from swarmtrain.train import Trainer
 from swarmtrain.train.device import present_devices
 
@@ -144,7 +144,6 @@ def main() -> None:
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="a setting for every node")
     parser.add_argument("--run-dir", type=Path, help="keep the swarm nodes' directories (logs, metrics) here")
     args = parser.parse_args()
-    signal.signal(signal.SIGTERM, signal.default_int_handler)  # a `timeout` stops it as Ctrl+C would
     console = Console(soft_wrap=True)
     present = present_devices()
     accelerators = [d for d in present if d != "cpu"]
@@ -181,4 +180,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    with stop_on_signals():  # a `timeout` or kill stops it as Ctrl+C would: each node's log tail, then the nodes end
+        main()
