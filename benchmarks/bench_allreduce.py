@@ -291,6 +291,7 @@ def run_case(
     numel: int,
     codec: str,
     rounds: int,
+    *,
     verbose: bool = False,
     profile: bool = False,
     mbit: float = 0.0,
@@ -395,24 +396,17 @@ def main() -> None:
         f"{'codec':6} {'system':10} {'wall s':>8} {'MB sent/peer':>13} {'ideal MB':>9} {'ok':>4} {'ours/it':>8} "
         f"{'CPU s/peer':>11}"
     )
+
+    def case(system: str, codec: str) -> dict[str, float]:
+        return run_case(
+            system, args.peers, args.numel, codec, args.rounds, verbose=args.verbose, profile=args.profile,
+            mbit=args.mbit, shaper=shaper, part_numel=args.part_numel,
+        )  # fmt: skip
+
     for codec in args.codecs.split(","):
         payload = args.numel * (2 if codec == "fp16" else 4)
         ideal = 2 * (args.peers - 1) / args.peers * payload
-        cases = {
-            s: run_case(
-                s,
-                args.peers,
-                args.numel,
-                codec,
-                args.rounds,
-                args.verbose,
-                args.profile,
-                args.mbit,
-                shaper,
-                args.part_numel,
-            )
-            for s in args.systems.split(",")
-        }
+        cases = {s: case(s, codec) for s in args.systems.split(",")}
         for system, c in cases.items():
             cpu = c["cpu_s"]
             ratio = (
