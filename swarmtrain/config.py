@@ -279,8 +279,8 @@ class AveragingConfig(_Section):
     centered-clip in a public one."""
     weighting: Literal["tokens", "equal"] = "tokens"
     """How a node's update is weighted in its group's average: by the tokens it trained this round (tokens), or
-    the same for every node that trained (equal: a node with a bigger batch or a faster machine counts no more).
-    Every node of a swarm needs the same value."""
+    the same for every node that trained (equal: a node with a bigger batch or a faster machine counts no more;
+    a join or a group claiming a weight above 1 is refused). Every node of a swarm needs the same value."""
     verify: float | Literal["auto"] = "auto"
     """Parts of other reducers' shards a node checks each round, on average (0.5: one every second round; 2: two,
     of two reducers), picked at random (replicated reduction): it fetches the contributions the reducer averaged,

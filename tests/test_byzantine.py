@@ -21,6 +21,7 @@ from hivemind.utils.crypto import RSAPrivateKey
 
 from swarmtrain.averaging import Averager, RoundOutcome, leader_candidates
 from swarmtrain.averaging.attack import KINDS, Attack
+from swarmtrain.averaging.matchmaking import EQUAL_WEIGHT, MAX_WEIGHT
 from swarmtrain.averaging.robust import parse_aggregator
 from swarmtrain.averaging.signing import RoundSigner
 from swarmtrain.compression import get_codec
@@ -48,6 +49,7 @@ def make_group(
     verify: float = 0.0,
     members: int = MEMBERS,
     hostile: int = HOSTILE,
+    max_weight: float = MAX_WEIGHT,
 ) -> list[Averager]:
     """``members`` averagers, the last ``hostile`` of them with attack ``kind``; each member draws the parts it
     checks (``verify``) from its own seeded generator, so a run replays exactly."""
@@ -74,6 +76,7 @@ def make_group(
                 signer=RoundSigner(key) if signed else None,
                 verify=verify,
                 rng=random.Random(i),
+                max_weight=max_weight,
             )  # fmt: skip
         )
     return averagers
@@ -149,6 +152,24 @@ async def test_with_the_plain_mean_the_same_attack_moves_the_model(kind: str) ->
 async def test_nan_payloads_are_refused_by_every_aggregator_and_the_round_stays_finite() -> None:
     deviations = await deviation_per_round(make_group("mean", "nan"), rounds=1, kinds_fall_back=True)
     assert max(deviations) <= BOUND  # the hostile senders are left out; their own shards fall back to no update
+
+
+async def test_where_updates_count_alike_a_member_claiming_more_is_refused_even_with_the_plain_mean() -> None:
+    # averaging.weighting = equal (a private swarm's mean, no cap): the big-weight members claim 1e6 where every
+    # member that trained counts 1. Their joins are refused, so the group is the honest members alone and applies
+    # their plain mean, identically on each; in a swarm weighted by tokens the same claim steers the mean (above).
+    averagers = make_group("mean", "big-weight", max_weight=EQUAL_WEIGHT)
+    for a in averagers:
+        await a.start()
+    generator = torch.Generator().manual_seed(1)
+    deltas = [torch.randn(NUMEL, generator=generator) for _ in averagers]
+    outcomes = await play_round(averagers, deltas, [1.0] * MEMBERS)
+    honest = outcomes[: MEMBERS - HOSTILE]
+    assert {o.outcome for o in honest} == {"applied"} and len({o.digest for o in honest}) == 1, honest
+    assert all(set(o.group.members) == {a.me for a in averagers[: MEMBERS - HOSTILE]} for o in honest), honest
+    assert all(a.me not in o.group.members for a in averagers[MEMBERS - HOSTILE :] for o in honest)
+    honest_mean = torch.stack(deltas[: MEMBERS - HOSTILE]).mean(0)
+    assert torch.allclose(-averagers[0].outer.theta, honest_mean, atol=1e-6)  # FedAvg from zero: theta = -mean
 
 
 async def test_all_gathered_payloads_are_combined_robustly_too() -> None:

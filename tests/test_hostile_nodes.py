@@ -64,6 +64,24 @@ def test_a_sign_flipping_node_leaves_the_honest_nodes_identical_and_finite(swarm
 
 
 @pytest.mark.slow
+def test_where_updates_count_alike_a_node_claiming_a_huge_weight_is_left_out(swarm: Swarm) -> None:
+    """Three honest nodes and one that claims a million times its weight, in a swarm whose updates count alike
+    (averaging.weighting = equal) under the plain mean, which caps no weight: every join of the hostile node is
+    refused, so each round is the honest three's, with one digest among them."""
+    common = ("averaging.weighting=equal", "averaging.aggregator=mean")
+    names = three_honest_and_one(swarm, 3, "attack.kind=big-weight", common=common)
+    swarm.wait(names[:3], timeout=240)
+    assert_one_digest_per_round(swarm, names[:3], 3)
+    bad = swarm.join_line("bad").rsplit("/", 1)[-1]
+    for name in names[:3]:
+        rounds = swarm.rounds(name)
+        assert [(r["group_size"], r["outcome"]) for r in rounds] == [(3, "applied")] * 3, rounds
+        assert all(bad not in r["group"] for r in rounds), rounds
+    log = swarm.log("bad")
+    assert "is out of bounds [0, 1] (this swarm weights every update alike" in log, log[-3000:]
+
+
+@pytest.mark.slow
 def test_an_equivocating_node_is_banned_and_the_honest_nodes_stay_identical(swarm: Swarm) -> None:
     """Three honest nodes and one that tells every second member of its group other reports and digests, each
     signed with its identity key. Every honest node sees both values through the relays, leaves it out of round

@@ -24,7 +24,7 @@ from swarmtrain.averaging.allreduce import AllReduce
 from swarmtrain.averaging.bans import Bans
 from swarmtrain.averaging.exchange import AllReduceResult, GroupExchange, Unsettled
 from swarmtrain.averaging.group import Group
-from swarmtrain.averaging.matchmaking import Matchmaker
+from swarmtrain.averaging.matchmaking import MAX_WEIGHT, Matchmaker
 from swarmtrain.averaging.outer import OuterOptimizer
 from swarmtrain.averaging.robust import Aggregator
 from swarmtrain.averaging.round import Event, Lifecycle, Round, Stale, Step, Verdict, alone_applies, decide
@@ -98,6 +98,7 @@ class Averager:
         signer: RoundSigner | None = None,
         verify: float = 0.0,
         rng: random.Random | None = None,
+        max_weight: float = MAX_WEIGHT,
     ) -> None:
         self.transport = transport
         self.aggregator = aggregator or Aggregator()  # combines the round's updates (``robust``); state mixes: mean
@@ -119,8 +120,9 @@ class Averager:
         self.min_deadline, self.deadline_factor = min_deadline, deadline_factor
         # Joins carry the parameter count, so a leader refuses a peer training another model shape.
         self.matchmaker = Matchmaker(
-            transport, {**self.header, "numel": theta.numel()}, group_size, min_budget_s=deadline_factor * min_deadline
-        )
+            transport, {**self.header, "numel": theta.numel()}, group_size,
+            min_budget_s=deadline_factor * min_deadline, max_weight=max_weight,
+        )  # fmt: skip
         self.group_size = group_size
         self.matchmaker.bans = Bans(self.me, ban_rounds)  # peers caught sending invalid payloads (``bans``)
         self.round = 0

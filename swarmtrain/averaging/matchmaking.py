@@ -24,6 +24,7 @@ from swarmtrain.net import PeerUnreachable, Rejected, RemoteError, RpcTimeout, T
 log = logging.getLogger(__name__)
 
 MAX_WEIGHT = 1e12  # tokens in one round; a peer claiming more would dominate every average
+EQUAL_WEIGHT = 1.0  # the weight of a member that trained, where every update counts alike (weighting = equal)
 MAX_DEADLINE_S = 3600.0
 
 
@@ -39,11 +40,14 @@ class Lobby:
     result: asyncio.Future[Group] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
 
 
-def check_weight(weight: Any) -> float:
+def check_weight(weight: Any, bound: float = MAX_WEIGHT) -> float:
+    """A claimed token weight, refused unless finite and in [0, ``bound``] (``EQUAL_WEIGHT`` where every update
+    counts alike: a member claiming more there would count as many)."""
     if isinstance(weight, bool) or not isinstance(weight, int | float) or not math.isfinite(weight):
         raise Rejected(f"weight {weight!r} is not a finite number")
-    if not 0 <= weight <= MAX_WEIGHT:
-        raise Rejected(f"weight {weight!r} is out of bounds [0, {MAX_WEIGHT:g}]")
+    if not 0 <= weight <= bound:
+        alike = " (this swarm weights every update alike: averaging.weighting = equal)" if bound < MAX_WEIGHT else ""
+        raise Rejected(f"weight {weight!r} is out of bounds [0, {bound:g}]{alike}")
     return float(weight)
 
 
@@ -61,7 +65,12 @@ def _miss_kind(exc: Exception) -> str:
 
 class Matchmaker:
     def __init__(
-        self, transport: Transport, header: dict[str, Any], group_size: int, min_budget_s: float = 0.0
+        self,
+        transport: Transport,
+        header: dict[str, Any],
+        group_size: int,
+        min_budget_s: float = 0.0,
+        max_weight: float = MAX_WEIGHT,
     ) -> None:
         self.transport = transport
         self.me = transport.peer_id
@@ -69,6 +78,9 @@ class Matchmaker:
         self.group_size = group_size
         # A joiner's cap below this is raised to it: one joiner cannot starve the whole group of time.
         self.min_budget_s = min_budget_s
+        # The largest weight a member may claim, in joins and in a leader's group: ``EQUAL_WEIGHT`` in a swarm that
+        # weights every update alike, where a hostile member would otherwise still claim a million tokens.
+        self.max_weight = max_weight
         self.lobbies: dict[int, Lobby] = {}
         self.join_timeout = 60.0
         self.bans = Bans(self.me, 0)  # set by the averager (``averaging.ban_rounds``)
@@ -111,7 +123,7 @@ class Matchmaker:
         banned = self.bans.reason(sender, round_)
         if banned is not None:
             raise Rejected(f"you are {banned}", code="banned")
-        weight = check_weight(header.get("weight"))
+        weight = check_weight(header.get("weight"), self.max_weight)
         digest = header.get("digest")
         if not isinstance(digest, str) or len(digest) > 64:
             raise Rejected("join must carry the digest of the joiner's theta_g")
@@ -293,7 +305,7 @@ class Matchmaker:
                 raise Rejected("malformed mixed flag")
             if not isinstance(deadline_s, int | float) or not 0.0 <= deadline_s <= MAX_DEADLINE_S:
                 raise Rejected(f"deadline {deadline_s!r} out of bounds")
-            weights_ = tuple(check_weight(w) for w in weights)
+            weights_ = tuple(check_weight(w, self.max_weight) for w in weights)
             group = Group(round_, tuple(members), weights_, mixed, float(deadline_s))
         except Rejected as exc:
             log.warning("round %d: leader sent a bad group: %s", round_, exc)

@@ -37,6 +37,7 @@ from swarmtrain.averaging import (
     leader_candidates,
 )  # fmt: skip
 from swarmtrain.averaging.attack import FORGED_AHEAD, Attack
+from swarmtrain.averaging.matchmaking import EQUAL_WEIGHT, MAX_WEIGHT
 from swarmtrain.averaging.robust import parse_aggregator
 from swarmtrain.compression import get_codec
 from swarmtrain.config import Config, write_resolved
@@ -212,6 +213,7 @@ class Node:
                 shapes=trainer.shapes,
                 aggregator=parse_aggregator(avg.aggregator, private=node.private), attack=attack,
                 ban_rounds=avg.ban_rounds, signer=RoundSigner(private_key), verify=config.verify,
+                max_weight=EQUAL_WEIGHT if avg.weighting == "equal" else MAX_WEIGHT,
             )  # fmt: skip
             self._trainer, self._averager = trainer, averager
             if checkpoint is not None:
