@@ -87,6 +87,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", choices=[*PRESETS, "both"], default="both", help="both: deep and fast.")
     parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--first-seed", type=int, default=0, help="Seeds F..F+N-1 (more seeds for an earlier run).")
     parser.add_argument("--steps", type=int, help="Override the preset's step count.")
     parser.add_argument("--threads", type=int, help="Total thread budget (default: the preset's, else 2).")
     parser.add_argument("--stages", type=int, help="Stages (default: the preset's, else 2).")
@@ -98,6 +99,8 @@ def main() -> None:
         "--no-zygote", action="store_true", help="Spawn the stages (the old way), not fork them from a zygote."
     )
     args = parser.parse_args()
+    if args.seeds < 1 or args.first_seed < 0:
+        parser.error("--seeds must be >= 1 and --first-seed >= 0")
     console = Console(highlight=False, soft_wrap=True, width=140)
     reports = {}
     for name in SHORT if args.preset == "both" else [args.preset]:
@@ -120,10 +123,11 @@ def main() -> None:
         skip = default_timing_skip(lt, steps)
         command = ["swarmtrain", "localtrain", "bench", "--stages", str(stages), "--threads", str(threads)]
         command += [f"--method={m}" for m in methods] + ["--seeds", str(args.seeds), "--steps", str(steps)]
+        command += ["--first-seed", str(args.first_seed)] if args.first_seed else []
         command += ["--eval-every", str(eval_every)] if eval_every else []
         command += [f"--set={o}" for o in overrides] + ([f"--data={args.data}"] if args.data else [])
         console.print(f"[bold]{name}[/bold]: {shlex.join(command)}")
-        seeds = tuple(range(args.seeds))
+        seeds = tuple(range(args.first_seed, args.first_seed + args.seeds))
         spec = BenchSpec(config, lt, methods, seeds, steps, skip, zygote=not args.no_zygote, eval_every=eval_every)
         report = run_bench(spec, on_result=lambda r: console.print(run_line(r), markup=False))
         print_report(report, console)

@@ -46,7 +46,10 @@ def localtrain_group() -> None:
 @click.option("--threads", type=int, help="Total torch threads for every method (localtrain.threads; 0 = all cores).")
 @click.option("--ring-depth", type=int, help="Slots per ring, which also bounds readout staleness.")
 @click.option("--pin/--no-pin", default=None, help="Pin stage processes to cores (localtrain.pin_cores).")
-@click.option("--seeds", type=int, default=3, show_default=True, help="Paired seeds 0..N-1 per method.")
+@click.option("--seeds", type=int, default=3, show_default=True, help="Paired seeds per method: F..F+N-1.")
+@click.option(
+    "--first-seed", type=int, default=0, show_default=True, help="F, the first seed (more seeds for an earlier run)."
+)
 @click.option("--steps", type=int, default=60, show_default=True, help="Optimizer steps per run (train.max_steps).")
 @click.option("--timing-skip", type=int, help="Steps left out of the tokens/s window (default: pipeline fill + 2).")
 @click.option(
@@ -68,6 +71,7 @@ def bench(
     ring_depth: int | None,
     pin: bool | None,
     seeds: int,
+    first_seed: int,
     steps: int,
     timing_skip: int | None,
     eval_every: int,
@@ -86,8 +90,8 @@ def bench(
         "localtrain.pin_cores": pin,
     }
     config, lt = load_localtrain_config(config_path, overrides, flags)
-    if steps < 2 or seeds < 1:
-        raise click.BadParameter("--steps must be >= 2 and --seeds >= 1")
+    if steps < 2 or seeds < 1 or first_seed < 0:
+        raise click.BadParameter("--steps must be >= 2, --seeds >= 1 and --first-seed >= 0")
     skip = default_timing_skip(lt, steps) if timing_skip is None else timing_skip
     if not 1 <= skip < steps:
         raise click.BadParameter(f"--timing-skip must lie between 1 and --steps - 1 ({steps - 1})")
@@ -98,7 +102,7 @@ def bench(
         config=config,
         lt=lt,
         methods=methods or ("rgc-async", "broadcast-async"),
-        seeds=tuple(range(seeds)),
+        seeds=tuple(range(first_seed, first_seed + seeds)),
         steps=steps,
         timing_skip=skip,
         eval_every=eval_every,
