@@ -4,6 +4,8 @@
     python benchmarks/bench_localtrain.py --preset fast --seeds 5 --data /tmp/english.txt
     python benchmarks/bench_localtrain.py --preset long        # 2,000 steps x 3 seeds: about 50 min on 2 cores
     python benchmarks/bench_localtrain.py --preset many-core   # for a machine with 16 cores or more
+    python benchmarks/bench_localtrain.py --preset long --first-seed 3 --out runs/more.json   # seeds 3-5
+    python benchmarks/bench_localtrain.py --combine runs/long.json runs/more.json   # one table of seeds 0-5
 
 Each preset is ``swarmtrain localtrain bench`` with fixed settings (the command line it matches is printed):
 ``deep`` is the issue's 24-layer width-128 model, ``fast`` an 8-layer model whose steps are short enough for
@@ -25,7 +27,7 @@ from pathlib import Path
 
 from rich.console import Console
 
-from swarmtrain.localtrain.bench import BenchSpec, default_timing_skip, run_bench
+from swarmtrain.localtrain.bench import BenchSpec, combine, default_timing_skip, run_bench
 from swarmtrain.localtrain.cli import json_default, print_report, run_line
 from swarmtrain.localtrain.config import available_cores, load_localtrain_config
 
@@ -98,7 +100,13 @@ def main() -> None:
     parser.add_argument(
         "--no-zygote", action="store_true", help="Spawn the stages (the old way), not fork them from a zygote."
     )
+    parser.add_argument(
+        "--combine", nargs="+", type=Path, metavar="JSON", help="Runs nothing: one table from these --out files."
+    )
     args = parser.parse_args()
+    if args.combine:
+        combine_files(args.combine, args.out)
+        return
     if args.seeds < 1 or args.first_seed < 0:
         parser.error("--seeds must be >= 1 and --first-seed >= 0")
     console = Console(highlight=False, soft_wrap=True, width=140)
@@ -136,6 +144,30 @@ def main() -> None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(reports, indent=2, default=json_default) + "\n")
         console.print(f"wrote {args.out}")
+
+
+def combine_files(paths: list[Path], out: Path | None) -> None:
+    """Print each preset's table over the runs of every file (the same bench, other seeds)."""
+    console = Console(highlight=False, soft_wrap=True, width=140)
+    try:
+        loaded = [json.loads(path.read_text()) for path in paths]
+    except (OSError, ValueError) as exc:
+        raise SystemExit(f"--combine: cannot read a report: {exc}") from None
+    reports = {}
+    for name in loaded[0]:
+        try:
+            report = combine([file[name] for file in loaded])
+        except KeyError:
+            raise SystemExit(f"--combine: preset {name} is not in every file") from None
+        except (ValueError, TypeError) as exc:
+            raise SystemExit(f"--combine: preset {name}: {exc}") from None
+        console.print(f"[bold]{name}[/bold]: seeds {report.spec['seeds']} from {len(paths)} files")
+        print_report(report, console)
+        reports[name] = report.to_json()
+    if out:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(reports, indent=2, default=json_default) + "\n")
+        console.print(f"wrote {out}")
 
 
 if __name__ == "__main__":

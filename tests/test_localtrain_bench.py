@@ -16,7 +16,7 @@ from click.testing import CliRunner
 from rich.console import Console
 
 from swarmtrain.cli import cli
-from swarmtrain.localtrain.bench import BenchReport, RunResult, bpb_at, equal_time_bpb, summarise
+from swarmtrain.localtrain.bench import BenchReport, RunResult, bpb_at, combine, equal_time_bpb, summarise
 from swarmtrain.localtrain.cli import print_report
 from swarmtrain.localtrain.pss import PssSampler, process_tree, pss_kib
 from swarmtrain.localtrain.shm import PREFIX, leftover_segments
@@ -92,6 +92,32 @@ def test_a_long_run_is_also_compared_at_equal_wall_time() -> None:
     assert rgc.gap is not None and rgc.gap_time is None
 
 
+def test_runs_on_other_seeds_combine_into_one_table() -> None:
+    """Two runs of one bench, seeds 0-1 and 2: the combined summary is the one a single run of seeds 0-2 gives
+    (its JSON round trip included); runs of another bench, or a seed in both, are refused with the reason."""
+    runs = [
+        result("global-bp", 0, 1000, 500, 2.00), result("rgc-async", 0, 1200, 650, 2.01),
+        result("global-bp", 1, 800, 520, 2.10), result("rgc-async", 1, 880, 676, 2.10),
+        result("global-bp", 2, 900, 510, 2.20), result("rgc-async", 2, 990, 660, 2.15),
+    ]  # fmt: skip
+    methods = ("global-bp", "rgc-async")
+
+    def report(seeds: list[int], steps: int = 2000) -> dict:
+        mine = [r for r in runs if r.seed in seeds]
+        return json.loads(json.dumps(BenchReport({"steps": steps, "seeds": seeds}, mine, []).to_json()))
+
+    combined = combine([report([0, 1]), report([2])])
+    assert combined.spec == {"steps": 2000, "seeds": [0, 1, 2]}
+    whole = BenchReport({}, runs, summarise(runs, methods)).to_json()["summary"]
+    assert json.dumps(combined.to_json()["summary"]) == json.dumps(whole)  # NaN fields compare as text
+    gap = combined.summaries[1].gap
+    assert gap is not None and gap.gaps_pct == pytest.approx((0.5, 0.0, 100 * (2.15 - 2.2) / 2.2))
+    with pytest.raises(ValueError, match="differ in steps"):
+        combine([report([0, 1]), report([2], steps=1000)])
+    with pytest.raises(ValueError, match="global-bp seed 1 is in more than one report"):
+        combine([report([0, 1]), report([1, 2])])
+
+
 def test_pss_sampler_sees_the_whole_tree() -> None:
     child = subprocess.Popen([sys.executable, "-c", "import time; x = bytearray(30_000_000); time.sleep(30)"])
     try:
@@ -116,6 +142,8 @@ def test_bench_command_rejects_bad_settings_with_a_clear_message() -> None:
     assert bad.exit_code != 0 and "--timing-skip" in bad.output
     unknown = runner.invoke(cli, ["localtrain", "bench", "--set", "localtrain.ring_dept=3"])
     assert unknown.exit_code != 0 and "localtrain.ring_depth" in str(unknown.exception)
+    negative = runner.invoke(cli, ["localtrain", "bench", "--first-seed", "-1"])
+    assert negative.exit_code != 0 and "--first-seed >= 0" in negative.output
 
 
 @pytest.mark.slow
@@ -124,7 +152,8 @@ def test_bench_runs_end_to_end(tmp_path: Path, text_file: Path) -> None:
     out = tmp_path / "bench.json"
     before = set(leftover_segments(PREFIX))
     args = ["localtrain", "bench", "--data", str(text_file), "--seeds", "1", "--steps", "8", "--threads", "2"]
-    args += ["--method", "rgc-async", "--method", "live-local", "--eval-every", "2", "--out", str(out)]
+    args += ["--first-seed", "2", "--method", "rgc-async", "--method", "live-local", "--eval-every", "2"]
+    args += ["--out", str(out)]
     for key, value in {"model.depth": 2, "model.width": 32, "model.heads": 2, "model.context": 32}.items():
         args += ["--set", f"{key}={value}"]
     args += ["--set", "train.batch_size=4", "--set", "train.eval_batches=1", "--set", "train.warmup_steps=2"]
@@ -132,7 +161,9 @@ def test_bench_runs_end_to_end(tmp_path: Path, text_file: Path) -> None:
     outcome = CliRunner().invoke(cli, args)
     assert outcome.exit_code == 0, outcome.output
     report = json.loads(out.read_text())
-    assert [r["method"] for r in report["results"]] == ["global-bp", "rgc-async", "live-local"]
+    assert [(r["method"], r["seed"]) for r in report["results"]] == [
+        ("global-bp", 2), ("rgc-async", 2), ("live-local", 2)
+    ]  # fmt: skip
     assert all(r["error"] is None and r["tokens_per_s"] > 0 and r["peak_pss_mib"] > 0 for r in report["results"])
     assert all(math.isfinite(r["bpb"]) and not r["leaked_segments"] for r in report["results"])
     assert [r["zygote"] for r in report["results"]] == [False, True, False]  # async stages fork from a zygote

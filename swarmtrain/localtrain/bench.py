@@ -293,6 +293,31 @@ def summarise(results: list[RunResult], methods: tuple[str, ...]) -> list[Method
     return summaries
 
 
+def combine(reports: list[dict[str, Any]]) -> BenchReport:
+    """One report from several runs of the same bench on other seeds (``BenchReport.to_json`` of each): their
+    runs together, summarised as if one run had made them. Refused unless the runs are alike but for their
+    seeds, and each (method, seed) ran once."""
+    if not reports:
+        raise ValueError("nothing to combine: give the JSON reports of two or more runs")
+    first = {k: v for k, v in reports[0]["spec"].items() if k != "seeds"}
+    results: list[RunResult] = []
+    seen: set[tuple[str, int]] = set()
+    for i, report in enumerate(reports):
+        spec = {k: v for k, v in report["spec"].items() if k != "seeds"}
+        if spec != first:
+            differ = sorted(k for k in {*spec, *first} if spec.get(k) != first.get(k))
+            raise ValueError(f"report {i + 1} ran another bench than report 1 (they differ in {', '.join(differ)})")
+        for row in report["results"]:
+            run = RunResult(**row)
+            if (run.method, run.seed) in seen:
+                raise ValueError(f"{run.method} seed {run.seed} is in more than one report: each seed must run once")
+            seen.add((run.method, run.seed))
+            results.append(run)
+    methods = tuple(dict.fromkeys(r.method for r in results))
+    seeds = sorted({r.seed for r in results})
+    return BenchReport({**reports[0]["spec"], "seeds": seeds}, results, summarise(results, methods))
+
+
 def bpb_at(curve: list[tuple[int, float, float]], seconds: float) -> float | None:
     """Held-out bpb of a run after ``seconds`` of training, linear between the evaluations around it; None
     before its first evaluation or after its end."""
