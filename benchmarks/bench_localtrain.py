@@ -2,7 +2,7 @@
 
     python benchmarks/bench_localtrain.py --out runs/bench-localtrain.json
     python benchmarks/bench_localtrain.py --preset fast --seeds 5 --data /tmp/english.txt
-    python benchmarks/bench_localtrain.py --preset long        # 2,000 steps x 3 seeds: about 50 min on 2 cores
+    python benchmarks/bench_localtrain.py --preset long        # 2,000 steps x 3 seeds: 20-50 min on 2 cores
     python benchmarks/bench_localtrain.py --preset many-core   # for a machine with 16 cores or more
     python benchmarks/bench_localtrain.py --preset long --first-seed 3 --out runs/more.json   # seeds 3-5
     python benchmarks/bench_localtrain.py --combine runs/long.json runs/more.json   # one table of seeds 0-5
