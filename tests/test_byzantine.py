@@ -50,13 +50,15 @@ def make_group(
     members: int = MEMBERS,
     hostile: int = HOSTILE,
     max_weight: float = MAX_WEIGHT,
+    hostile_first: bool = False,
 ) -> list[Averager]:
-    """``members`` averagers, the last ``hostile`` of them with attack ``kind``; each member draws the parts it
-    checks (``verify``) from its own seeded generator, so a run replays exactly."""
+    """``members`` averagers, the last ``hostile`` of them with attack ``kind`` (the first ones with
+    ``hostile_first``: the lowest peer id leads a round); each member draws the parts it checks (``verify``) from
+    its own seeded generator, so a run replays exactly."""
     net = MemoryNetwork()
     averagers = []
     for i, (peer, key) in enumerate(identities()[MEMBERS - members :]):
-        attack = Attack(kind, seed=i) if i >= members - hostile else None
+        attack = Attack(kind, seed=i) if (i < hostile if hostile_first else i >= members - hostile) else None
         up = attack.wrap_codec(get_codec(codec)) if attack else get_codec(codec)
         averagers.append(
             Averager(
@@ -154,22 +156,27 @@ async def test_nan_payloads_are_refused_by_every_aggregator_and_the_round_stays_
     assert max(deviations) <= BOUND  # the hostile senders are left out; their own shards fall back to no update
 
 
-async def test_where_updates_count_alike_a_member_claiming_more_is_refused_even_with_the_plain_mean() -> None:
+@pytest.mark.parametrize("leads", [False, True], ids=["joins", "leads"])
+async def test_where_updates_count_alike_a_member_claiming_more_is_refused_even_with_the_plain_mean(
+    leads: bool,
+) -> None:
     # averaging.weighting = equal (a private swarm's mean, no cap): the big-weight members claim 1e6 where every
-    # member that trained counts 1. Their joins are refused, so the group is the honest members alone and applies
-    # their plain mean, identically on each; in a swarm weighted by tokens the same claim steers the mean (above).
-    averagers = make_group("mean", "big-weight", max_weight=EQUAL_WEIGHT)
+    # member that trained counts 1. Their joins are refused, or, where one of them leads the round (the lowest
+    # peer id), the group it answers with is, and the honest members meet at the next candidate. Either way the
+    # group is the honest members alone and applies their plain mean, identically on each; in a swarm weighted
+    # by tokens the same claim steers the mean (above).
+    averagers = make_group("mean", "big-weight", max_weight=EQUAL_WEIGHT, hostile_first=leads)
     for a in averagers:
         await a.start()
     generator = torch.Generator().manual_seed(1)
     deltas = [torch.randn(NUMEL, generator=generator) for _ in averagers]
     outcomes = await play_round(averagers, deltas, [1.0] * MEMBERS)
-    honest = outcomes[: MEMBERS - HOSTILE]
-    assert {o.outcome for o in honest} == {"applied"} and len({o.digest for o in honest}) == 1, honest
-    assert all(set(o.group.members) == {a.me for a in averagers[: MEMBERS - HOSTILE]} for o in honest), honest
-    assert all(a.me not in o.group.members for a in averagers[MEMBERS - HOSTILE :] for o in honest)
-    honest_mean = torch.stack(deltas[: MEMBERS - HOSTILE]).mean(0)
-    assert torch.allclose(-averagers[0].outer.theta, honest_mean, atol=1e-6)  # FedAvg from zero: theta = -mean
+    honest = [(a, o, d) for a, o, d in zip(averagers, outcomes, deltas, strict=True) if a.attack is None]
+    assert len(honest) == MEMBERS - HOSTILE and (averagers[0].attack is not None) == leads
+    assert {o.outcome for _, o, _ in honest} == {"applied"} and len({o.digest for _, o, _ in honest}) == 1, honest
+    assert all(set(o.group.members) == {a.me for a, _, _ in honest} for _, o, _ in honest), honest
+    honest_mean = torch.stack([d for _, _, d in honest]).mean(0)
+    assert torch.allclose(-honest[0][0].outer.theta, honest_mean, atol=1e-6)  # FedAvg from zero: theta = -mean
 
 
 async def test_all_gathered_payloads_are_combined_robustly_too() -> None:
