@@ -46,8 +46,8 @@ def check_weight(weight: Any, bound: float = MAX_WEIGHT) -> float:
     if isinstance(weight, bool) or not isinstance(weight, int | float) or not math.isfinite(weight):
         raise Rejected(f"weight {weight!r} is not a finite number")
     if not 0 <= weight <= bound:
-        alike = " (this swarm weights every update alike: averaging.weighting = equal)" if bound < MAX_WEIGHT else ""
-        raise Rejected(f"weight {weight!r} is out of bounds [0, {bound:g}]{alike}")
+        alike = " (this swarm weights every update alike: averaging.weighting = equal)"
+        raise Rejected(f"weight {weight!r} is out of bounds [0, {bound:g}]{alike if bound == EQUAL_WEIGHT else ''}")
     return float(weight)
 
 

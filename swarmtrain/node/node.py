@@ -557,7 +557,7 @@ class Node:
             averager.matchmaker.join_timeout = max(30.0, 3 * last_inner)  # a slow leader, not a dead one
             try:
                 await averager.reconcile()  # after a round I could not confirm: my residual to the group's decision
-                weight = float(tokens) if avg.weighting == "tokens" else float(tokens > 0)
+                weight = float(tokens) if avg.weighting == "tokens" else EQUAL_WEIGHT * (tokens > 0)
                 outcome = await averager.run_round(delta, weight, candidates, set(candidates), gather)
             except (SwarmtrainError, OSError) as exc:  # a round that broke must not take the node down
                 log.error("round %d failed (%r); catching up from the swarm before the next one", averager.round, exc)
