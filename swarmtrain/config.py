@@ -197,7 +197,7 @@ class NodeConfig(_Section):
     """Stop after this many outer rounds; 0 means run until Ctrl+C (or train.max_time)."""
     min_peers: int = Field(1, ge=1)
     """Wait until the swarm has this many peers (this one included), and as many of them see as many, before the
-    first round."""
+    first round; then, above 1, up to 15 s more until each peer seen answers a ping."""
     min_peers_timeout_s: float = Field(600.0, gt=0.0)
     """Give up waiting for node.min_peers after this many seconds (and train with whoever is there)."""
     heartbeat_s: float = Field(1.0, gt=0.0, le=60.0)

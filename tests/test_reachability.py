@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import time
+from typing import Any
 
 import pytest
 from hivemind.p2p import P2P
 
-from swarmtrain.net import MemoryNetwork, P2PTransport, RemoteError
-from swarmtrain.net.reachability import ask_dialback, dialable, is_loopback, serve_dialback
+from swarmtrain.net import MemoryNetwork, P2PTransport, PeerUnreachable, Rejected, RemoteError
+from swarmtrain.net.reachability import REACH_PAUSE_S, ask_dialback, dialable, is_loopback, reach, serve_dialback
 from swarmtrain.node.doctor import check_reachable
 
 HOME = "/ip4/203.0.113.5/tcp/31337"
@@ -91,3 +93,38 @@ async def test_over_p2p_a_peer_reaches_the_caller_at_its_address_and_not_at_a_wr
     finally:
         await other.p2p.shutdown()
     assert wrong.known and not wrong.ok, wrong
+
+
+async def test_a_starting_node_pings_its_peers_until_a_dial_backoff_ends_and_gives_up_on_the_dead_in_time() -> None:
+    """The first round of two nodes that saw each other's records but whose daemons refused to dial each other
+    (libp2p's dial backoff after a failed first dial) was lost: each led a group of one. A starting node now pings
+    the peers it sees until each answers: through a backoff, and not past its wait on a peer that never does."""
+    net = MemoryNetwork()
+    me, late, refusing, dead = (net.transport(p) for p in ("me", "late", "refusing", "dead"))
+    calls: dict[str, int] = {}
+
+    async def pong(sender: str, header: dict[str, Any], body: bytes) -> tuple[dict[str, Any], bytes]:
+        return {}, b""
+
+    async def refuse(sender: str, header: dict[str, Any], body: bytes) -> tuple[dict[str, Any], bytes]:
+        raise Rejected("not this swarm's run")
+
+    def backoff(sender: str, peer: str, method: str, header: dict[str, Any]) -> None:
+        if method != "ping":
+            return  # a call's frames
+        calls[peer] = calls.get(peer, 0) + 1
+        if peer == "late" and calls[peer] <= 3:
+            raise PeerUnreachable(f"{method} to {peer}: all dials failed: dial backoff")
+
+    await late.serve("ping", pong, max_body=0)
+    await refusing.serve("ping", refuse, max_body=0)  # an answer all the same: the connection works
+    net.before_call = backoff
+    started = time.monotonic()
+    assert await reach(me, {}, lambda: ["late", "refusing", "me"], wait_s=10.0) == {"late", "refusing"}
+    assert calls == {"late": 4, "refusing": 1}  # the late one until it answered, the others once
+    assert time.monotonic() - started < 10.0 - 3 * REACH_PAUSE_S
+
+    started = time.monotonic()
+    assert await reach(me, {}, lambda: ["late", "dead"], wait_s=1.5) == {"late"}
+    assert 1.5 <= time.monotonic() - started < 1.5 + 2 * REACH_PAUSE_S  # its time for the dead one, not much more
+    assert calls["dead"] >= 2

@@ -21,7 +21,7 @@ from typing import Any
 
 from multiaddr import Multiaddr
 
-from swarmtrain.net.rpc import Rejected, RpcError, Transport
+from swarmtrain.net.rpc import PeerUnreachable, Rejected, RpcError, RpcTimeout, Transport
 
 log = logging.getLogger(__name__)
 
@@ -31,6 +31,8 @@ DIAL_TIMEOUT = 8.0  # one dial of all of a caller's addresses
 ASK_TIMEOUT = START_TIMEOUT + DIAL_TIMEOUT + 5.0
 DIALBACK_INTERVAL_S = 60.0  # per caller
 ASKED = 3  # peers a node asks
+REACH_WAIT_S = 15.0  # how long a starting node waits to reach the peers it sees (libp2p's dial backoff is 5 s and up)
+REACH_PAUSE_S = 0.5
 FIX = (
     "other machines cannot open a connection to this node, so it is left out of groups it does not lead. Set "
     "--announce to this machine's public address with the port node.host listens on (e.g. --host "
@@ -156,3 +158,35 @@ async def ask_dialback(transport: Transport, peers: Iterable[str], addrs: list[s
 
     await asyncio.gather(*(ask(peer) for peer in asked))
     return result
+
+
+async def reach(
+    transport: Transport, header: dict[str, Any], peers: Callable[[], Iterable[str]], wait_s: float
+) -> set[str]:
+    """Ping ``peers()`` (asked again on every try) until each has answered once or ``wait_s`` passed; returns those
+    that answered. Any answer counts, a refusal too: it shows the connection works.
+
+    A starting node sees its peers' records before its daemon has a connection to them. A first dial that fails
+    makes libp2p refuse every dial to that address for a few seconds ("dial backoff"), and a first round started
+    then finds its leader unreachable: each node leads a group of one, and none applies the round. Waiting until
+    the peers answer costs one ping each when nothing is wrong."""
+    me = transport.peer_id
+    until = time.monotonic() + wait_s
+    reached: set[str] = set()
+
+    async def ping(peer: str) -> None:
+        try:
+            await transport.call(peer, "ping", header, timeout=min(2.0, max(until - time.monotonic(), 0.1)))
+        except (PeerUnreachable, RpcTimeout):
+            return
+        except RpcError:
+            pass
+        reached.add(peer)
+
+    while True:
+        pending = sorted(set(peers()) - reached - {me})
+        if not pending or time.monotonic() >= until:
+            return reached
+        await asyncio.gather(*(ping(peer) for peer in pending))
+        if set(peers()) - reached - {me} and time.monotonic() < until:
+            await asyncio.sleep(min(REACH_PAUSE_S, until - time.monotonic()))

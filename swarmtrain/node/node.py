@@ -45,8 +45,8 @@ from swarmtrain.data import load_corpus, load_parts
 from swarmtrain.dht import Membership, PeerRecord, ban_table, load_identity_key, record_validators
 from swarmtrain.dht.membership import MAX_COUNT, MAX_LOSS, NOT_IN_STEP
 from swarmtrain.errors import CheckpointError, SwarmtrainError
-from swarmtrain.net import P2PTransport, load_auth, serve_hello, verify_swarm
-from swarmtrain.net.reachability import FIX, ask_dialback, dialable, is_loopback, serve_dialback
+from swarmtrain.net import P2PTransport, Transport, load_auth, serve_hello, verify_swarm
+from swarmtrain.net.reachability import FIX, REACH_WAIT_S, ask_dialback, dialable, is_loopback, reach, serve_dialback
 from swarmtrain.node.inner import InnerLoop, build_inner_loop
 from swarmtrain.node.observe import NodeMetrics, ObserveServer, dashboard, peer_row
 from swarmtrain.node.resume import open_run_dir, outer_state
@@ -244,7 +244,7 @@ class Node:
                 forger = asyncio.create_task(_forge_records(membership, node.heartbeat_s))
             reachable = asyncio.create_task(self._check_reachability(transport, membership, maddrs))
             try:
-                await self._wait_for_peers(membership)
+                await self._wait_for_peers(membership, transport, averager.header)
                 await self._sync_on_start(averager, membership, trainer)
                 await self._train(trainer, averager, membership, transport)
             finally:
@@ -324,11 +324,12 @@ class Node:
         else:
             log.info("%s", result.summary())
 
-    async def _wait_for_peers(self, membership: Membership) -> None:
+    async def _wait_for_peers(self, membership: Membership, transport: Transport, header: dict[str, Any]) -> None:
         """Wait until node.min_peers peers are in the view, and then until as many of them see as many (their
         records say ``ready``, or they have started): nodes that start together start in the same round. Without
         the second wait, the nodes that saw the swarm first trained in groups without the others, who were still
-        waiting for a record or two to reach them."""
+        waiting for a record or two to reach them. Then, for at most ``REACH_WAIT_S``, until each peer seen
+        answers a ping (``reach``): a first round whose members cannot dial each other yet is lost."""
         node = self.config.node
         deadline = time.monotonic() + node.min_peers_timeout_s
         me = membership.record.peer_id
@@ -353,6 +354,14 @@ class Node:
             waited = time.monotonic() - deadline + node.min_peers_timeout_s
             log.warning("only %d of node.min_peers=%d peers ready after %.0f s; training anyway",
                         ready(), node.min_peers, waited)  # fmt: skip
+        if node.min_peers > 1:  # a record seen is not a connection made: reach them before the first round
+            self.status.set(NodeState.STARTING, f"reaching the {len(membership.view) - 1} peers it sees")
+            wait_s = min(REACH_WAIT_S, max(deadline - time.monotonic(), 0.0))
+            reached = await reach(transport, header, lambda: [p for p in membership.view if p != me], wait_s)
+            missed = [p[-8:] for p in membership.view if p != me and p not in reached]
+            if missed:
+                log.warning("could not reach %s in %.0f s (they may lead or join groups I cannot reach); training "
+                            "anyway", missed, wait_s)  # fmt: skip
 
     async def _catch_up(self, averager: Averager, membership: Membership, trainer: InnerLoop, wait_s: float) -> None:
         """Download theta_g from a peer that is at our round or later (a joiner, or a node left out of a round).
