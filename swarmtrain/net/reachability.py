@@ -183,10 +183,12 @@ async def reach(
             pass
         reached.add(peer)
 
-    while True:
-        pending = sorted(set(peers()) - reached - {me})
-        if not pending or time.monotonic() >= until:
-            return reached
-        await asyncio.gather(*(ping(peer) for peer in pending))
-        if set(peers()) - reached - {me} and time.monotonic() < until:
-            await asyncio.sleep(min(REACH_PAUSE_S, until - time.monotonic()))
+    def pending() -> list[str]:
+        return sorted(set(peers()) - reached - {me})
+
+    todo = pending()
+    while todo and time.monotonic() < until:
+        await asyncio.gather(*(ping(peer) for peer in todo))
+        if todo := pending():
+            await asyncio.sleep(max(0.0, min(REACH_PAUSE_S, until - time.monotonic())))
+    return reached
