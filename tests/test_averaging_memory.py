@@ -8,11 +8,12 @@ import struct
 import pytest
 import torch
 
-from swarmtrain.averaging import Averager, gossip_groups, leader_candidates
+from swarmtrain.averaging import Averager, Group, gossip_groups, leader_candidates
+from swarmtrain.averaging.matchmaking import Lobby
 from swarmtrain.averaging.round import Phase
 from swarmtrain.compression import get_codec
 from swarmtrain.errors import IncompatibleSwarm
-from swarmtrain.net import MemoryNetwork, PeerUnreachable, Rejected
+from swarmtrain.net import MemoryNetwork, PeerUnreachable, Rejected, RemoteError
 
 NUMEL = 10_000
 
@@ -143,6 +144,61 @@ async def test_a_member_whose_join_answer_was_lost_asks_again_and_averages_with_
     outcomes = await run_round(averagers, [torch.randn(NUMEL) for _ in averagers], [1.0] * 3)
     assert lost == ["peer0"]
     assert [o.outcome for o in outcomes] == ["applied"] * 3 and len({o.digest for o in outcomes}) == 1
+
+
+@pytest.mark.parametrize("answered", ["peer1", "peer2"])
+async def test_members_whose_leader_froze_while_answering_them_still_average_together(answered: str) -> None:
+    """The leader formed the group and froze (SIGSTOP) after answering one member: the other never heard of it and
+    gives up on the leader. It asks its next candidate (peer2 asks peer1) or, itself next, leads and finds no one
+    (peer1). Either way it must learn the group from the member that holds it: it led a group of one and the member
+    with the group averaged with nobody, and both live members diverged (test_churn's frozen node, in CI)."""
+    net, averagers = make_swarm(3)
+    for a in averagers:
+        await a.start()
+    leader = averagers[0]
+    on_join = leader.matchmaker.on_join
+
+    async def answer_one_then_freeze(sender, header, position):
+        answer = await on_join(sender, header, position)
+        if sender != answered:
+            net.freeze(leader.me)
+            await asyncio.sleep(3600)  # its answer never leaves the frozen process
+        return answer
+
+    leader.matchmaker.on_join = answer_one_then_freeze
+    outcomes = await run_round(averagers, [torch.randn(NUMEL) for _ in averagers], [1.0] * 3)
+    live = {o.group.members: o for o in outcomes[1:]}
+    seen = [(o.outcome, o.group.members) for o in outcomes[1:]]
+    assert set(live) == {("peer0", "peer1", "peer2")}, f"the live members did not meet in the leader's group: {seen}"
+    assert {o.outcome for o in outcomes[1:]} == {"fallback"}, seen  # the frozen leader's shard falls back
+    assert outcomes[1].digest == outcomes[2].digest
+
+
+async def test_a_probe_is_answered_at_once_and_only_a_group_matching_the_senders_messages_is_taken() -> None:
+    """A probe never waits in a lobby: a peer whose group is not formed refuses it at once and takes no joiner. A
+    member waiting on its leader takes a probed group only if it is the group whose messages that member sent it,
+    with the leader in it: a peer that sends one group's messages and answers with another is ignored."""
+    net, (leader, member, other) = make_swarm(3)
+    for a in (leader, member, other):
+        await a.start()
+    request = {**member.matchmaker.header, "round": 0, "weight": 1.0, "digest": "x", "cap_s": 10.0}
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    with pytest.raises(RemoteError) as refused:
+        await member.transport.call(other.me, "join", {**request, "probe": True}, timeout=5.0)
+    assert refused.value.code == "no-group" and loop.time() - started < 0.5
+    assert not other.matchmaker.lobbies[0].joined, "a probe joined a lobby"
+
+    group = Group(0, (leader.me, member.me, other.me), (1.0, 1.0, 1.0))
+    forged = Group(0, (leader.me, member.me, other.me), (1.0, 1.0, 9.0))  # another weight: another group id
+    for answered, expected in [(forged, None), (group, group)]:
+        other.matchmaker.lobbies[0] = lobby = Lobby(0)
+        lobby.settle(answered)
+        member.matchmaker.heard = {other.me: (group.group_id, loop.time() - 10.0)}
+        answer = await member.matchmaker._probe(leader.me, request, probed := set())
+        taken = None if answer is None else member.matchmaker._parse_group(0, answer)
+        assert taken == expected, f"took {taken} from a peer whose messages were for {group.group_id}"
+    assert probed == {other.me}
 
 
 async def test_a_leader_alone_at_its_gather_timeout_waits_for_a_member_still_finishing_the_last_round() -> None:

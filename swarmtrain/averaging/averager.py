@@ -24,7 +24,7 @@ from swarmtrain.averaging.allreduce import AllReduce
 from swarmtrain.averaging.bans import Bans
 from swarmtrain.averaging.exchange import AllReduceResult, GroupExchange, Unsettled
 from swarmtrain.averaging.group import Group
-from swarmtrain.averaging.matchmaking import MAX_WEIGHT, Matchmaker
+from swarmtrain.averaging.matchmaking import MAX_WEIGHT, PROBE_AFTER_S, Matchmaker
 from swarmtrain.averaging.outer import OuterOptimizer
 from swarmtrain.averaging.robust import Aggregator
 from swarmtrain.averaging.round import Event, Lifecycle, Round, Stale, Step, Verdict, alone_applies, decide
@@ -40,8 +40,9 @@ log = logging.getLogger(__name__)
 # and digests signed with identity keys, relayed values that differ proven on request ("proofs"); 8: peer records
 # carry loss, bpb, tokens and bytes sent (``swarmtrain dashboard --join``); 9: with averaging.verify, parts signed
 # by their senders and reducers show what they averaged to members that check them ("evidence"); 10: state digests,
-# shard and payload hashes are BLAKE3 (were SHA-256).
-PROTOCOL_VERSION = 10
+# shard and payload hashes are BLAKE3 (were SHA-256); 11: joins marked "probe", answered from a formed group by any
+# of its members (a member whose leader froze before answering it asks a member that holds the group).
+PROTOCOL_VERSION = 11
 _ROUTE_WAIT = 5.0  # a member may hear of its group a moment after a peer that already sends
 _SMALL = 1 << 16
 _LEDGERS = 8  # decisions of the last rounds this member confirmed, served to members that could not
@@ -122,6 +123,7 @@ class Averager:
         self.matchmaker = Matchmaker(
             transport, {**self.header, "numel": theta.numel()}, group_size,
             min_budget_s=deadline_factor * min_deadline, max_weight=max_weight,
+            probe_after=min(PROBE_AFTER_S, 0.1 * min_deadline),
         )  # fmt: skip
         self.group_size = group_size
         self.matchmaker.bans = Bans(self.me, ban_rounds)  # peers caught sending invalid payloads (``bans``)
@@ -215,6 +217,7 @@ class Averager:
         route = self._route(group_id, sender)
         if route.done():  # the common case: my exchange of this group is under way
             return route.result()
+        self.matchmaker.heard_from(sender, group_id)
         try:
             return await asyncio.wait_for(asyncio.shield(route), _ROUTE_WAIT)
         except TimeoutError:
@@ -387,16 +390,17 @@ class Averager:
     def _open_exchange(self, r: Round, group: Group, delta: torch.Tensor) -> GroupExchange:
         """The update's exchange, taking messages from now on: a member still in the state exchange (up to one
         budget behind) must not turn away peers that already send their updates."""
-        r.exchange_started = _now()
-        r.phases["group_s"] = r.exchange_started - r.started
         r.budget = self.budget_s(group)
+        # A group I learned late counts its phase deadlines from when the others began, as theirs do (at most half
+        # a budget back: a member cannot claim my whole exchange is over).
+        r.exchange_started = max(r.started, _now() - min(group.age_s, r.budget / 2))
+        r.phases["group_s"] = r.exchange_started - r.started
         # One bound for the whole exchange (see ``budget_s``): a mixed round's update gets what the state exchange
         # left of two budgets, not a fresh one; its phase deadlines are shares of the second budget, the same on
         # every member whenever each left the state exchange.
         deadline = r.exchange_started + r.budget * (2 if group.mixed else 1)
         update = self._allreduce(group, delta, deadline, fault=self._fault_hook(r.number), residual=self.residual)
-        if group.mixed:
-            update.opens = r.exchange_started + r.budget
+        update.opens = r.exchange_started + (r.budget if group.mixed else 0.0)
         return update
 
     async def _mix(self, r: Round, group: Group, update: GroupExchange) -> tuple[float | None, bool, bool]:
@@ -406,6 +410,7 @@ class Averager:
         r.enter(Step.MIX)
         state = torch.cat([self.outer.theta, self.outer.buf])
         mixing = self._allreduce(group, state, r.exchange_started + r.budget, codec=get_codec("fp32"), tag="/state")
+        mixing.opens = r.exchange_started
         try:
             mixed = await self._run(mixing)
         except BaseException:

@@ -160,9 +160,10 @@ class GroupExchange(ABC):
         self.route = group.group_id + tag
         self.header = {**header, "group": self.route}
         self.deadline = deadline
-        # When the phases start, the same instant for every member (``_start_clock``): a mixed round's update
-        # opens at the state exchange's deadline (``Averager._open_exchange``).
-        self.opens = 0.0
+        # When the phases start, the same instant for every member (``_start_clock``): when the group's exchange
+        # began (a member that learned of its group late counts from when the others began), and a mixed round's
+        # update at the state exchange's deadline (``Averager._open_exchange``). None: from now.
+        self.opens: float | None = None
         self._start_clock()
         self.liveness = Liveness(transport, self.header)
         self.closed = False  # after the transfer, late payloads must not be stored
@@ -182,12 +183,12 @@ class GroupExchange(ABC):
         self._background: set[asyncio.Future[None]] = set()  # sends to members counted as gone
 
     def _start_clock(self) -> None:
-        """Phase deadlines as shares of the time from now (or ``opens``, if later) to the deadline. ``run`` sets them
+        """Phase deadlines as shares of the time from ``opens`` (or now, if unset) to the deadline. ``run`` sets them
         again when it starts: an exchange may be created (and take messages) before, while the round's state
         exchange still runs. Members leave that exchange at different times (one that waited on a member that
-        stalled, at its deadline): shares of the time from when each started would give them different report
-        deadlines, and one would decide before another's report was due."""
-        loop_now = max(asyncio.get_running_loop().time(), self.opens)
+        stalled, at its deadline), and one may learn of its group late: shares of the time from when each started
+        would give them different report deadlines, and one would decide before another's report was due."""
+        loop_now = asyncio.get_running_loop().time() if self.opens is None else self.opens
         span = max(self.deadline - loop_now, 0.0)
         self.scatter_deadline = loop_now + 0.5 * span
         self.transfer_deadline = loop_now + 0.75 * span

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True)
@@ -19,6 +19,9 @@ class Group:
     weights: tuple[float, ...]
     mixed: bool = False  # members start from different theta_g (gossip): average the state too
     deadline_s: float = 0.0  # the leader's all-reduce budget, shared by every member (0: each uses its own)
+    # How long the group had formed when I was told of it: about 0 from the leader; seconds when a member told me
+    # after the leader froze before answering me (``matchmaking._probe``), and the others' exchange began then.
+    age_s: float = field(default=0.0, compare=False)
 
     @property
     def group_id(self) -> str:

@@ -5,6 +5,12 @@ leader (a long poll); the leader waits until every expected member has joined or
 then answers every waiting joiner with the same member list and weights. A member whose leader is
 unreachable tries the next candidate; a member asked to lead while it follows someone else redirects the
 asker. Because one peer decides each group, all its members agree on it, even when views of the swarm differ.
+
+A member that holds the group answers a join from another member with it too. A leader that froze (SIGSTOP) after
+answering some of its members leaves the others waiting; they hear of the group first from the exchange messages of
+a member that has it (``heard_from``). When their leader keeps them waiting a tenth of a budget after that,
+they ask that member for it (a join marked ``probe``, answered at once from a formed group or refused) rather than
+lead a group of one, or join the exchange after the others gave up on them.
 """
 
 from __future__ import annotations
@@ -26,6 +32,9 @@ log = logging.getLogger(__name__)
 MAX_WEIGHT = 1e12  # tokens in one round; a peer claiming more would dominate every average
 EQUAL_WEIGHT = 1.0  # the weight of a member that trained, where every update counts alike (weighting = equal)
 MAX_DEADLINE_S = 3600.0
+PROBE_AFTER_S = 1.0  # the longest a member waits on its leader after hearing from a member of its group
+PING_EVERY_S, LEADER_PING_S, LEADER_MISSES = 1.0, 1.5, 2  # a joiner pings its leader; two misses: given up on
+LEADER_FAILOVER_S = LEADER_MISSES * (PING_EVERY_S + LEADER_PING_S)  # the most a leader that stops answering holds one
 
 
 @dataclass
@@ -38,6 +47,21 @@ class Lobby:
     redirected: asyncio.Event = field(default_factory=asyncio.Event)
     changed: asyncio.Event = field(default_factory=asyncio.Event)
     result: asyncio.Future[Group] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
+    formed_at: float = 0.0  # the loop's time when ``result`` was set
+
+    def settle(self, group: Group) -> None:
+        """The group of this round as I know it: led by me, or learned from the leader (or a member)."""
+        if not self.result.done():
+            self.result.set_result(group)
+            self.formed_at = asyncio.get_running_loop().time()
+
+    def answer(self) -> dict[str, Any]:
+        """The group, as the leader tells it to its members, and how long ago I learned it (``Group.age_s``)."""
+        group = self.result.result()
+        return {
+            "members": list(group.members), "weights": list(group.weights), "mixed": group.mixed,
+            "deadline_s": group.deadline_s, "age_s": asyncio.get_running_loop().time() - self.formed_at,
+        }  # fmt: skip
 
 
 def check_weight(weight: Any, bound: float = MAX_WEIGHT) -> float:
@@ -71,6 +95,7 @@ class Matchmaker:
         group_size: int,
         min_budget_s: float = 0.0,
         max_weight: float = MAX_WEIGHT,
+        probe_after: float = PROBE_AFTER_S,
     ) -> None:
         self.transport = transport
         self.me = transport.peer_id
@@ -85,6 +110,12 @@ class Matchmaker:
         self.join_timeout = 60.0
         self.bans = Bans(self.me, 0)  # set by the averager (``averaging.ban_rounds``)
         self.misses: list[tuple[str, str, str]] = []  # this round's leaders I could not join: (peer, kind, why)
+        # Peers whose exchange messages reached me for a group I have not heard of (``heard_from``): members of a
+        # group my leader formed, should its answer never come. Peer -> the route of their messages, and when.
+        self.heard: dict[str, tuple[str, float]] = {}
+        # How long a member waits on its leader after hearing from a member of its group: a tenth of the shortest
+        # budget a group may run (``Averager``), well before that member's messages to me time out.
+        self.probe_after = probe_after
         # Set while this node catches up with the swarm: it will not lead a round it is behind on, so joiners are
         # sent on to the next candidate at once instead of waiting on it until their join timeout. A joiner that
         # holds my round and state is told to ask again instead (see ``_while_catching_up``).
@@ -130,12 +161,14 @@ class Matchmaker:
         cap = header.get("cap_s", MAX_DEADLINE_S)
         if isinstance(cap, bool) or not isinstance(cap, int | float) or not 0.0 < cap <= MAX_DEADLINE_S:
             raise Rejected(f"budget cap {cap!r} is not in (0, {MAX_DEADLINE_S:g}] seconds")
+        lobby = self._lobby(round_)
+        if header.get("probe") is True:
+            return self._on_probe(lobby, sender)
         if self.catching_up:
             return self._while_catching_up(round_, digest, position)
-        lobby = self._lobby(round_)
         if lobby.result.done():
             if sender in lobby.result.result().members:  # asking again: the answer to its first join was lost
-                return self._answer(lobby.result.result())
+                return lobby.answer()
             raise Rejected(f"the group of round {round_} is already formed")
         if lobby.redirect is not None:
             return self._redirect(lobby, sender)
@@ -156,13 +189,25 @@ class Matchmaker:
             group = lobby.result.result()
             if sender not in group.members:
                 raise Rejected(f"the group of round {round_} is full")
-            return self._answer(group)
+            return lobby.answer()
         lobby.joined.pop(sender, None)
         if lobby.redirect is not None:
             return self._redirect(lobby, sender)
         if self.catching_up:
             return self._while_catching_up(round_, digest, position)
         raise Rejected(f"the leader of round {round_} was not ready in time")
+
+    def _on_probe(self, lobby: Lobby, sender: str) -> dict[str, Any]:
+        """A member of my group whose leader stopped answering asks me for the group: answered at once, never
+        waited on (a probe joins no lobby)."""
+        if lobby.result.done() and sender in lobby.result.result().members:
+            return lobby.answer()
+        raise Rejected(f"no group of round {lobby.round} with you in it here", code="no-group")
+
+    def heard_from(self, peer: str, route: str) -> None:
+        """An exchange message from ``peer`` for a group I have not claimed (``route``: its id and a tag)."""
+        if peer != self.me and len(self.heard) < self.group_size:
+            self.heard.setdefault(peer, (route, asyncio.get_running_loop().time()))
 
     def _redirect(self, lobby: Lobby, sender: str) -> dict[str, Any]:
         """Send a joiner on to the leader I follow. When that leader is the joiner itself (it asks me while I ask
@@ -183,13 +228,6 @@ class Matchmaker:
         if (round_, digest) == (current_round, current_digest):
             return {"redirect": self.me}
         raise Rejected(f"this peer is catching up with the swarm (from round {current_round})", code="behind")
-
-    @staticmethod
-    def _answer(group: Group) -> dict[str, Any]:
-        return {
-            "members": list(group.members), "weights": list(group.weights), "mixed": group.mixed,
-            "deadline_s": group.deadline_s,
-        }  # fmt: skip
 
     async def form_group(
         self,
@@ -216,6 +254,7 @@ class Matchmaker:
             expected = expected - banned.keys()
         queue, tried, broken = list(candidates), set(), set()
         self.misses = []
+        self.heard = {}
         # A peer that redirects to a leader I found dead is failing over itself: it pings that leader a few times
         # (seconds under load) before it leads; ask it again until then rather than lead a group of my own. The
         # same for a leader catching up that holds my state: it redirects me to itself until it is done.
@@ -265,33 +304,62 @@ class Matchmaker:
                 continue
             group = self._parse_group(round_, answer)
             if group is not None:
+                lobby.settle(group)  # kept for members that ask me for it (a repeated join, a probe)
                 return group
         lobby.redirect = None
         group = Group(round_, (self.me,), (weight,))
-        if not lobby.result.done():
-            lobby.result.set_result(group)
+        lobby.settle(group)
         return group
 
     async def _join(self, leader: str, request: dict[str, Any]) -> dict[str, Any]:
         """Long-poll the leader, pinging it meanwhile: a leader that stops answering pings is given up on
         at once instead of after the whole join timeout (its daemon may linger after the process died)."""
         call = asyncio.ensure_future(self.transport.call(leader, "join", request, timeout=self.join_timeout + 5))
-        misses = 0
+        loop = asyncio.get_running_loop()
+        misses, ping_at = 0, loop.time() + PING_EVERY_S
+        probed: set[str] = set()
         try:
             while True:
-                done, _ = await asyncio.wait([call], timeout=1.0)
+                done, _ = await asyncio.wait([call], timeout=min(self.probe_after, PING_EVERY_S))
                 if done:
                     answer, _ = call.result()
                     return answer
+                # Members send me their group's messages while my leader has not answered me (it may have frozen
+                # after answering them): ask them for that group before their messages to me time out.
+                if (answer := await self._probe(leader, request, probed)) is not None:
+                    return answer
+                if loop.time() < ping_at:
+                    continue
                 try:
-                    await self.transport.call(leader, "ping", self.header, timeout=1.5)
+                    await self.transport.call(leader, "ping", self.header, timeout=LEADER_PING_S)
                     misses = 0
                 except (RpcTimeout, PeerUnreachable):  # one broken ping under load is not a dead leader
                     misses += 1
-                    if misses >= 2:
+                    if misses >= LEADER_MISSES:
                         raise
+                ping_at = loop.time() + PING_EVERY_S
         finally:
             call.cancel()
+
+    async def _probe(self, leader: str, request: dict[str, Any], probed: set[str]) -> dict[str, Any] | None:
+        """Ask the members I heard from (once each, ``probe_after`` after I did) for the group they exchange in: its
+        answer if that is the group of their messages and holds the leader and the member asked."""
+        round_ = request["round"]
+        asked_by = asyncio.get_running_loop().time() - self.probe_after
+        for peer, (route, heard_at) in list(self.heard.items()):
+            if peer in probed or peer == leader or heard_at > asked_by:
+                continue
+            probed.add(peer)
+            try:
+                answer, _ = await self.transport.call(peer, "join", {**request, "probe": True}, timeout=2.0)
+            except (PeerUnreachable, RpcTimeout, RemoteError) as exc:
+                log.info("round %d: %s has no group for me: %s", round_, peer[-8:], exc)
+                continue
+            group = self._parse_group(round_, answer)
+            if group is not None and {peer, leader} <= set(group.members) and route.startswith(group.group_id):
+                log.info("round %d: leader %s stopped answering; %s told me its group", round_, leader[-8:], peer[-8:])
+                return answer
+        return None
 
     def _parse_group(self, round_: int, answer: dict[str, Any]) -> Group | None:
         members, weights = answer.get("members"), answer.get("weights")
@@ -301,12 +369,14 @@ class Matchmaker:
             if not all(isinstance(m, str) for m in members) or len(set(members)) != len(members):
                 raise Rejected("malformed member list")
             mixed, deadline_s = answer.get("mixed", False), answer.get("deadline_s", 0.0)
+            age_s = answer.get("age_s", 0.0)
             if not isinstance(mixed, bool):
                 raise Rejected("malformed mixed flag")
-            if not isinstance(deadline_s, int | float) or not 0.0 <= deadline_s <= MAX_DEADLINE_S:
-                raise Rejected(f"deadline {deadline_s!r} out of bounds")
+            for name, value in (("deadline", deadline_s), ("age", age_s)):
+                if isinstance(value, bool) or not isinstance(value, int | float) or not 0.0 <= value <= MAX_DEADLINE_S:
+                    raise Rejected(f"{name} {value!r} out of bounds")
             weights_ = tuple(check_weight(w, self.max_weight) for w in weights)
-            group = Group(round_, tuple(members), weights_, mixed, float(deadline_s))
+            group = Group(round_, tuple(members), weights_, mixed, float(deadline_s), float(age_s))
         except Rejected as exc:
             log.warning("round %d: leader sent a bad group: %s", round_, exc)
             return None
@@ -362,7 +432,7 @@ class Matchmaker:
         if deadline_s > 0:
             deadline_s = min([deadline_s, *(lobby.caps[m] for m in members if m in lobby.caps)])
         group = Group(lobby.round, tuple(members), tuple(lobby.joined[m] for m in members), mixed, deadline_s)
-        lobby.result.set_result(group)
+        lobby.settle(group)
         missing = expected - set(members)
         if missing:
             log.info("round %d: formed a group of %d without %s", lobby.round, group.size, [m[-8:] for m in missing])

@@ -22,6 +22,14 @@ are caught by the digest vote (the minority resyncs), not prevented. After every
 
 With ``--cuts`` a round may also cut one stream of parts or results after 0-3 frames (both ends stay live).
 
+With ``--joins`` a round without another failure may have its leader freeze (SIGSTOP) as it answers the joins: one
+member's answer stays in the frozen process until it resumes, the others have theirs. Then:
+
+(f) every member that stayed live and unfrozen ends the round in the same group (the one the leader formed).
+
+The member the leader did not answer learns of its group from the first message another member sends it; where
+every other member contributes nothing (weight 0), that may come too late, so (e) and (f) are not checked then.
+
 Each seed also draws the group's aggregator (``robust``), so (a)-(c) hold for the robust ones too.
 
 Replay one seed (prints every violation; ``--log INFO`` shows the members' logs):
@@ -46,6 +54,7 @@ import torch
 from swarmtrain.averaging.averager import DIGEST_SHARE, Averager, RoundOutcome
 from swarmtrain.averaging.exchange import PING_FAILURES
 from swarmtrain.averaging.group import Group
+from swarmtrain.averaging.matchmaking import LEADER_FAILOVER_S
 from swarmtrain.averaging.robust import KINDS as AGGREGATORS
 from swarmtrain.averaging.robust import parse_aggregator
 from swarmtrain.compression import get_codec
@@ -146,6 +155,11 @@ class Faults:
             if fault.kind == "freeze":
                 self.frozen[src] = asyncio.get_running_loop().time() + fault.seconds
                 await self._wait_thawed((src, peer), timeout)
+            if fault.kind == "freeze-answer":  # the leader answers, and freezes before this answer leaves it
+                answer = await original(peer, method, header, frames, count=count, timeout=timeout, **bounds)
+                self.frozen[peer] = asyncio.get_running_loop().time() + fault.seconds
+                await self._wait_thawed((src, peer), timeout)
+                return answer
             if fault.kind == "reset":
                 raise PeerUnreachable(f"{method} to {peer}: stream reset")
             if fault.kind == "cut":  # the stream breaks after some frames: the next one is made, and lost
@@ -204,6 +218,14 @@ def draw_cut(rng: random.Random, members: list[str]) -> list[Fault]:
                   float(rng.randrange(4)))]  # fmt: skip
 
 
+def draw_join_freeze(rng: random.Random, members: list[str], plan: list[Fault], budget: float) -> list[Fault]:
+    """Maybe the leader (the first member: every member asks it first) freezes as it answers the joins, holding one
+    joiner's answer (``--joins``); only in a round with no other failure. From its own generator, like cuts."""
+    if rng.random() < 0.5 or any(f.kind in ("kill", "freeze", "late-delay") for f in plan):
+        return []
+    return [Fault("freeze-answer", rng.choice(members[1:]), "join", 0, rng.uniform(0.5, 2 * budget))]
+
+
 def draw_faults(rng: random.Random, members: list[str], budget: float) -> list[Fault]:
     plan: list[Fault] = []
     failed = False  # at most one failure per round: a member killed or frozen, or one link slower than the deadline
@@ -241,10 +263,12 @@ def _residual(averager: Averager) -> torch.Tensor:
     return averager.residual if averager.residual is not None else torch.zeros_like(averager.outer.theta)
 
 
-async def simulate(seed: int, rounds: int = 2, cuts: bool = False) -> list[str]:
-    """Run one seed; return its violations (empty: the protocol held). ``cuts`` adds streams cut midway."""
+async def simulate(seed: int, rounds: int = 2, cuts: bool = False, joins: bool = False) -> list[str]:
+    """Run one seed; return its violations (empty: the protocol held). ``cuts`` adds streams cut midway, ``joins``
+    leaders that freeze as they answer the joins."""
     rng = random.Random(seed)
     cut_rng = random.Random(seed ^ 0xC07)
+    join_rng = random.Random(seed ^ 0x701)
     torch.default_generator.manual_seed(seed)  # the CPU generator only: seeding every accelerator costs ms
     n = rng.randint(2, 8)
     numel = rng.choice([24, 61, 200])
@@ -286,7 +310,8 @@ async def simulate(seed: int, rounds: int = 2, cuts: bool = False) -> list[str]:
         before = [(m.averager.outer.theta.clone(), _residual(m.averager).clone()) for m in live]
         contributed = [_contribution(m.averager, d, w) for m, d, w in zip(live, deltas, weights, strict=True)]
         own = [m.averager.deadline_s() for m in live]
-        faults.new_round(draw_faults(rng, peers, 3.0) + (draw_cut(cut_rng, peers) if cuts else []))
+        plan = draw_faults(rng, peers, 3.0) + (draw_cut(cut_rng, peers) if cuts else [])
+        faults.new_round(plan + (draw_join_freeze(join_rng, peers, plan, 3.0) if joins else []))
         runs = [
             m.averager.run_round(d.clone(), w, peers, set(peers), gather_timeout=GATHER_S)
             for m, d, w in zip(live, deltas, weights, strict=True)
@@ -295,10 +320,14 @@ async def simulate(seed: int, rounds: int = 2, cuts: bool = False) -> list[str]:
         context = f"{setup}; round {round_}: weights {weights}; faults {faults.fired}"
         for m in live:
             m.alive = m.averager.me not in net.dead
+        # A member the frozen leader did not answer may wait out its pings before it leads (README: the bound).
+        failover = LEADER_FAILOVER_S if any(f.startswith("freeze-answer") for f in faults.fired) else 0.0
         found = _check(
-            live, outcomes, weights, contributed, before, own, codec, momentum, set(faults.frozen), aggregator.plain
-        )
-        found += _check_confirmed(live, outcomes, set(faults.frozen), faults.fired)
+            live, outcomes, weights, contributed, before, own, codec, momentum, set(faults.frozen), aggregator.plain,
+            failover,
+        )  # fmt: skip
+        observers = {p for p, w in zip(peers, weights, strict=True) if w == 0}
+        found += _check_confirmed(live, outcomes, set(faults.frozen), faults.fired, observers)
         violations += [f"{context}: {v}" for v in found]
         for m, o in zip(live, outcomes, strict=True):
             if isinstance(o, RoundOutcome) and o.outcome == "diverged":
@@ -318,6 +347,7 @@ def _check(
     momentum: float,
     frozen: set[str],
     plain_mean: bool = True,
+    failover: float = 0.0,
 ) -> list[str]:
     found = []
     survivors = [(i, m, o) for i, (m, o) in enumerate(zip(live, outcomes, strict=True)) if m.alive]
@@ -328,7 +358,7 @@ def _check(
     # (b) every survivor leaves within its bound
     for i, m, o in survivors:
         budget = min(o.group.deadline_s or own[i], m.averager.deadline_factor * own[i])
-        bound = GATHER_S + budget + ((2 if o.group.mixed else 1) + DIGEST_SHARE + 1) * budget + 0.5
+        bound = GATHER_S + failover + budget + ((2 if o.group.mixed else 1) + DIGEST_SHARE + 1) * budget + 0.5
         if o.duration_s > bound:
             found.append(f"(b) {m.averager.me} took {o.duration_s:.2f} s, bound {bound:.2f} s ({o.phases})")
     confirmed = [(i, m, o) for i, m, o in survivors if o.outcome in ("applied", "fallback") and o.group.size > 1]
@@ -395,7 +425,9 @@ def _check(
     return found
 
 
-def _check_confirmed(live: list[Member], outcomes: list[Any], frozen: set[str], fired: list[str]) -> list[str]:
+def _check_confirmed(
+    live: list[Member], outcomes: list[Any], frozen: set[str], fired: list[str], observers: set[str]
+) -> list[str]:
     """(e) a member that stayed live and answered, in a group where another one did too, confirms the round: with
     one failure a round, the two agree on their digests and each holds the other's. (A message slower than its
     timeout, or two failed pings of one link, make the sender count the receiver gone: a second failure, so such
@@ -405,6 +437,12 @@ def _check_confirmed(live: list[Member], outcomes: list[Any], frozen: set[str], 
         kind, link, call = f.split(" ")[:3]
         pings[link] += call.startswith("ping") and kind in ("reset", "reset-after")
     if any(f.endswith("(timed out)") for f in fired) or max(pings.values(), default=0) >= PING_FAILURES:
+        return []
+    held = [f.split(" ")[1].split("->") for f in fired if f.startswith("freeze-answer")]
+    if held and all(m.averager.me in observers or m.averager.me in held[0] for m in live):
+        # The member the frozen leader did not answer hears of its group from the first message another member
+        # sends it; where the others contribute nothing (weight 0), that may be their report, too late to join:
+        # the two are cut off from each other, a second failure.
         return []
     correct = {
         m.averager.me: o
@@ -417,6 +455,9 @@ def _check_confirmed(live: list[Member], outcomes: list[Any], frozen: set[str], 
         unmixed = o.group.mixed and not o.mixed  # states differ by design: the minority takes the majority's
         if others and not unmixed and o.outcome.startswith("diverged"):
             found.append(f"(e) {me} counted itself {o.outcome} though {others} of its group stayed live")
+    if any(f.startswith("freeze-answer") for f in fired) and len({o.group for o in correct.values()}) > 1:
+        groups = sorted({o.group.members for o in correct.values()})
+        found.append(f"(f) the members the frozen leader did and did not answer hold different groups: {groups}")
     return found
 
 
@@ -473,7 +514,7 @@ def _check_applied(
     return found
 
 
-def run_seed(seed: int, rounds: int = 2, quiet: bool = True, cuts: bool = False) -> list[str]:
+def run_seed(seed: int, rounds: int = 2, quiet: bool = True, cuts: bool = False, joins: bool = False) -> list[str]:
     """Run one seed on a fresh virtual-clock loop; the members' logs are silenced unless ``quiet`` is False."""
     loop = VirtualClockLoop()
     logger = logging.getLogger("swarmtrain")
@@ -481,7 +522,7 @@ def run_seed(seed: int, rounds: int = 2, quiet: bool = True, cuts: bool = False)
     if quiet:
         logger.setLevel(logging.CRITICAL)
     try:
-        return loop.run_until_complete(simulate(seed, rounds, cuts))
+        return loop.run_until_complete(simulate(seed, rounds, cuts, joins))
     except Deadlock as exc:
         return [f"seed {seed}: {exc}"]
     finally:
@@ -494,8 +535,9 @@ def run_seed(seed: int, rounds: int = 2, quiet: bool = True, cuts: bool = False)
         logger.setLevel(level)
 
 
-def replay_command(seed: int, rounds: int = 2, cuts: bool = False) -> str:
-    return f"python -m swarmtrain.averaging.sim --seed {seed} --rounds {rounds}" + (" --cuts" if cuts else "")
+def replay_command(seed: int, rounds: int = 2, cuts: bool = False, joins: bool = False) -> str:
+    flags = (" --cuts" if cuts else "") + (" --joins" if joins else "")
+    return f"python -m swarmtrain.averaging.sim --seed {seed} --rounds {rounds}{flags}"
 
 
 def main() -> None:
@@ -505,11 +547,12 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2, help="rounds per seed")
     parser.add_argument("--log", default="CRITICAL", help="log level of the members (INFO shows the round)")
     parser.add_argument("--cuts", action="store_true", help="also cut streams of parts or results midway")
+    parser.add_argument("--joins", action="store_true", help="also freeze leaders as they answer the joins")
     args = parser.parse_args()
     logging.basicConfig(level=args.log, format="%(asctime)s %(name)s %(message)s")
     failed = 0
     for seed in range(args.seed, args.seed + args.count):
-        violations = run_seed(seed, args.rounds, quiet=args.log == "CRITICAL", cuts=args.cuts)
+        violations = run_seed(seed, args.rounds, quiet=args.log == "CRITICAL", cuts=args.cuts, joins=args.joins)
         failed += bool(violations)
         for v in violations:
             print(v)

@@ -1,7 +1,9 @@
 """An in-process ``Transport`` for fast, deterministic protocol tests: no daemons, no sockets.
 
 Faults are injected per peer: ``kill(peer)`` makes every call to or from it fail as a dead peer's would,
-``delay`` adds latency, and ``fail_on`` runs a hook before a call (for "die after the first part" tests).
+``freeze(peer)`` makes every later one stall until its timeout (SIGSTOP: the daemon keeps the connections open, the
+process answers nothing), ``delay`` adds latency, and ``before_call`` runs a hook before a call (for "die after the
+first part" tests).
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ class MemoryNetwork:
         self.handlers: dict[str, dict[str, tuple[StreamHandler, int, int]]] = {}
         self.transports: dict[str, MemoryTransport] = {}
         self.dead: set[str] = set()
+        self.frozen: set[str] = set()
         self.delay = 0.0
         self.before_call: Callable[[str, str, str, dict[str, Any]], None] | None = None
 
@@ -44,6 +47,9 @@ class MemoryNetwork:
 
     def kill(self, peer_id: str) -> None:
         self.dead.add(peer_id)
+
+    def freeze(self, peer_id: str) -> None:
+        self.frozen.add(peer_id)
 
 
 class MemoryTransport(Transport):
@@ -70,6 +76,9 @@ class MemoryTransport(Transport):
             net.before_call(self.peer_id, peer, method, header)
         if self.peer_id in net.dead or peer in net.dead or method not in net.handlers.get(peer, {}):
             raise PeerUnreachable(f"{method} to {peer}: unreachable")
+        if self.peer_id in net.frozen or peer in net.frozen:
+            await asyncio.sleep(timeout)
+            raise RpcTimeout(f"{method} to {peer} timed out (frozen)")
         handler, max_body, max_frames = net.handlers[peer][method]
         packed = pack_header({**header, **self.auth.stamp(self.peer_id, peer, method)})
         self.counter.sent += len(packed) + 8
