@@ -151,7 +151,8 @@ async def test_members_whose_leader_froze_while_answering_them_still_average_tog
     """The leader formed the group and froze (SIGSTOP) after answering one member: the other never heard of it and
     gives up on the leader. It asks its next candidate (peer2 asks peer1) or, itself next, leads and finds no one
     (peer1). Either way it must learn the group from the member that holds it: it led a group of one and the member
-    with the group averaged with nobody, and both live members diverged (test_churn's frozen node, in CI)."""
+    with the group averaged with nobody, and both live members diverged (what test_churn's frozen node showed once
+    in CI)."""
     net, averagers = make_swarm(3)
     for a in averagers:
         await a.start()

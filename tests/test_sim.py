@@ -40,11 +40,11 @@ FOUND += [(100232, 2), (100672, 2)]
 # stream broke after it was made) of a shard that still applied was lost to its sender's residual.
 FOUND_WITH_CUTS = [(1120, 1), (1131, 1)]
 # Found with leaders that freeze as they answer the joins (``--joins``; 136 of 1,000 seeds broke an invariant before
-# the fix, test_churn's frozen node in CI was one): the member left unanswered led a group of one and the group
-# averaged without it, or it joined after the others had counted it gone, so members decided differently on a shard
-# (5770, 5031), both live members diverged (5134, 5258), or they ended in different groups (5239). A member that
-# holds the group now answers it to the others, who ask it once their leader keeps them waiting, and count their
-# phases from when the group began.
+# the fix; test_churn's frozen node showed the symptom once in CI): the member left unanswered led a group of one
+# and the group averaged without it, or it joined after the others had counted it gone, so members decided
+# differently on a shard (5770, 5031), both live members diverged (5134, 5258), or they ended in different groups
+# (5239). A member that holds the group now answers it to the others, who ask it once their leader keeps them
+# waiting, and count their phases from when the group began.
 FOUND_WITH_JOINS = [(5770, 2), (5031, 2), (5134, 2), (5258, 2), (5239, 2)]
 
 
