@@ -96,5 +96,5 @@ def test_20000_seeds_break_no_invariant() -> None:
 
 @pytest.mark.slow
 @pytest.mark.timeout(3600)
-def test_5000_seeds_with_cuts_and_frozen_leaders_break_no_invariant() -> None:
-    check(list(range(200_000, 205_000)), rounds=2, workers=os.cpu_count() or 1, cuts=True, joins=True)
+def test_4000_three_round_seeds_with_cuts_and_frozen_leaders_break_no_invariant() -> None:
+    check(list(range(20_000, 24_000)), rounds=3, workers=os.cpu_count() or 1, cuts=True, joins=True)
