@@ -357,7 +357,7 @@ class Node:
         if node.min_peers > 1:  # a record seen is not a connection made: reach them before the first round
             self.status.set(NodeState.STARTING, f"reaching the {len(membership.view) - 1} peers it sees")
             wait_s = min(REACH_WAIT_S, max(deadline - time.monotonic(), 0.0))
-            reached = await reach(transport, header, lambda: [p for p in membership.view if p != me], wait_s)
+            reached = await reach(transport, header, lambda: list(membership.view), wait_s)  # less me: reach
             missed = [p[-8:] for p in membership.view if p != me and p not in reached]
             if missed:
                 log.warning("could not reach %s in %.0f s (they may lead or join groups I cannot reach); training "
