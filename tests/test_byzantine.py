@@ -20,8 +20,8 @@ import torch
 from hivemind.utils.crypto import RSAPrivateKey
 
 from swarmtrain.averaging import Averager, RoundOutcome, leader_candidates
-from swarmtrain.averaging.attack import KINDS, Attack
-from swarmtrain.averaging.matchmaking import EQUAL_WEIGHT, MAX_WEIGHT
+from swarmtrain.averaging.attack import BIG_WEIGHT, KINDS, Attack
+from swarmtrain.averaging.matchmaking import EQUAL_WEIGHT, MAX_WEIGHT, PLAUSIBLE_SLACK
 from swarmtrain.averaging.robust import parse_aggregator
 from swarmtrain.averaging.signing import RoundSigner
 from swarmtrain.compression import get_codec
@@ -177,6 +177,39 @@ async def test_where_updates_count_alike_a_member_claiming_more_is_refused_even_
     assert all(set(o.group.members) == {a.me for a, _, _ in honest} for _, o, _ in honest), honest
     honest_mean = torch.stack([d for _, _, d in honest]).mean(0)
     assert torch.allclose(-honest[0][0].outer.theta, honest_mean, atol=1e-6)  # FedAvg from zero: theta = -mean
+
+
+@pytest.mark.parametrize("published", [True, False], ids=["with-records", "without-records"])
+async def test_a_leader_counts_a_member_no_more_than_its_published_throughput_makes_plausible(published: bool) -> None:
+    # The public default (tokens, centered-clip with cap=1), an honest leader (the lowest id) and two big-weight
+    # members claiming 1e6 times the tokens they trained on. With records (tokens_per_s x inner_s = the tokens each
+    # trained on, the hostile ones' honest too, as a node publishes them), the leader counts each hostile member at
+    # twice its record (PLAUSIBLE_SLACK) and the honest ones as they claim. Without records, it counts every member
+    # but itself at most at the group's lower median weight. Either way the honest members apply one digest.
+    averagers = make_group(Config().averaging.aggregator, "big-weight")
+    trained = {a.me: 100.0 + 10 * i for i, a in enumerate(averagers)}
+
+    async def records(peers: list[str], round_: int) -> dict[str, float]:
+        return {p: trained[p] for p in peers} if published else {}
+
+    for a in averagers:
+        a.matchmaker.published_tokens = records
+        await a.start()
+    generator = torch.Generator().manual_seed(1)
+    deltas = [torch.randn(NUMEL, generator=generator) for _ in averagers]
+    outcomes = await play_round(averagers, deltas, list(trained.values()))
+    honest = outcomes[: MEMBERS - HOSTILE]
+    assert {o.outcome for o in honest} == {"applied"} and len({o.digest for o in honest}) == 1, honest
+    group = honest[0].group
+    assert group.members == tuple(trained) and all(o.group == group for o in honest)
+    hostile = [a.attack is not None for a in averagers]
+    claimed = [min(w * BIG_WEIGHT, MAX_WEIGHT) if h else w for h, w in zip(hostile, trained.values(), strict=True)]
+    if published:
+        expected = [PLAUSIBLE_SLACK * w if h else w for h, w in zip(hostile, trained.values(), strict=True)]
+    else:
+        lower_median = sorted(claimed)[(MEMBERS - 1) // 2]
+        expected = [claimed[0], *(min(w, lower_median) for w in claimed[1:])]
+    assert list(group.weights) == expected, (group.weights, expected)
 
 
 async def test_all_gathered_payloads_are_combined_robustly_too() -> None:

@@ -10,23 +10,28 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
+from hivemind.p2p import P2P
 
 from swarmtrain.averaging.attack import KINDS
+from swarmtrain.averaging.matchmaking import PLAUSIBLE_SLACK
 from swarmtrain.config import AttackConfig
+from swarmtrain.dht.identity import load_identity_key, peer_id_of
 
 from .swarm import Swarm
 from .test_swarm import digests_by_round
 
 
-def three_honest_and_one(swarm: Swarm, rounds: int, *hostile: str, common: tuple[str, ...] = ()) -> list[str]:
-    """Start n0, n1, n2 and ``bad`` (with the ``hostile`` settings), each waiting for all four and with the
-    ``common`` settings; returns the names."""
+def three_honest_and_one(
+    swarm: Swarm, rounds: int, *hostile: str, common: tuple[str, ...] = (), identities: tuple[str, ...] = ("", "", "")
+) -> list[str]:
+    """Start n0, n1, n2 (each with its setting in ``identities``, if any) and ``bad`` (with the ``hostile``
+    settings), each waiting for all four and with the ``common`` settings; returns the names."""
     names = ["n0", "n1", "n2", "bad"]
-    swarm.start("n0", rounds, extra=["node.min_peers=4", *common])
-    first = swarm.join_line("n0")
-    for name in names[1:]:
+    first = None
+    for name, own in zip(names, [*identities, ""], strict=True):
         bad = [*hostile, "attack.test_only=true"] if name == "bad" else []
-        swarm.start(name, rounds, join=first, extra=["node.min_peers=4", *common, *bad])
+        swarm.start(name, rounds, join=first, extra=["node.min_peers=4", *common, *filter(None, [own]), *bad])
+        first = first or swarm.join_line(name)
     return names
 
 
@@ -86,6 +91,41 @@ def test_where_updates_count_alike_a_node_claiming_a_huge_weight_is_left_out(swa
     logs = "".join(swarm.log(name) for name in names)
     refused = "weight 1000000.0 is out of bounds [0, 1] (this swarm weights every update alike"
     assert refused in logs, [swarm.log(name)[-2000:] for name in names]
+
+
+@pytest.mark.slow
+def test_a_node_claiming_a_huge_weight_counts_no_more_than_twice_what_its_record_says(
+    swarm: Swarm, tmp_path: Path
+) -> None:
+    """Three honest nodes and one that claims a million times the tokens it trained on, in a public swarm weighted
+    by tokens (the defaults). Its record (tokens/s and inner time) is honest. The identities are made so that the
+    hostile node has the highest peer id: an honest node (the lowest id) leads every round and counts the hostile
+    node at no more than twice the tokens its record accounts for (``PLAUSIBLE_SLACK``), saying so in its log.
+    The honest nodes count as they trained, and every round ends with one digest among them."""
+    ids = {}
+    for i in range(4):
+        path = tmp_path / f"identity{i}.key"
+        P2P.generate_identity(str(path))
+        ids[peer_id_of(load_identity_key(path).get_public_key().to_bytes())] = path
+    order = sorted(ids)
+    names = three_honest_and_one(
+        swarm, 3, "attack.kind=big-weight", f"node.identity={ids[order[3]]}",
+        identities=tuple(f"node.identity={ids[peer]}" for peer in order[:3]),
+    )  # fmt: skip
+    swarm.wait(names, timeout=240)
+    assert_one_digest_per_round(swarm, names[:3], 3)
+    bad = swarm.join_line("bad").rsplit("/", 1)[-1]
+    assert bad == order[3], (bad, order)
+    trained = {r["round"]: r["tokens"] for r in swarm.rounds("bad")}
+    for name in names[:3]:
+        for r in swarm.rounds(name):
+            weights = dict(zip(r["group"], r["weights"], strict=True))
+            assert r["group_size"] == 4 and r["outcome"] == "applied", r
+            assert weights[r["peer_id"]] == r["tokens"], r
+            assert 0 < weights[bad] <= PLAUSIBLE_SLACK * trained[r["round"]], (r, trained)
+    capped = f"counting {bad[-8:]} at "
+    lines = [line for line in swarm.log("n0").splitlines() if capped in line and "its record accounts for" in line]
+    assert len(lines) == 3, swarm.log("n0")[-3000:]
 
 
 @pytest.mark.slow

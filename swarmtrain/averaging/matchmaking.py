@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,6 +35,7 @@ MAX_DEADLINE_S = 3600.0
 PROBE_AFTER_S = 1.0  # the longest a member waits on its leader after hearing from a member of its group
 PING_EVERY_S, LEADER_PING_S, LEADER_MISSES = 1.0, 1.5, 2  # a joiner pings its leader; two misses: given up on
 LEADER_FAILOVER_S = LEADER_MISSES * (PING_EVERY_S + LEADER_PING_S)  # the most a leader that stops answering holds one
+PLAUSIBLE_SLACK = 2.0  # a member counts at most twice the tokens its published throughput accounts for
 
 
 @dataclass
@@ -116,6 +117,9 @@ class Matchmaker:
         # How long a member waits on its leader after hearing from a member of its group: a tenth of the shortest
         # budget a group may run (``Averager``), well before that member's messages to me time out.
         self.probe_after = probe_after
+        # The tokens the given peers' published records account for in a round (``Membership.published_tokens``):
+        # set by a node whose swarm caps weights (``plausible_weights``); None: no such cap.
+        self.published_tokens: Callable[[list[str], int], Awaitable[Mapping[str, float]]] | None = None
         # Set while this node catches up with the swarm: it will not lead a round it is behind on, so joiners are
         # sent on to the next candidate at once instead of waiting on it until their join timeout. A joiner that
         # holds my round and state is told to ask again instead (see ``_while_catching_up``).
@@ -431,9 +435,46 @@ class Matchmaker:
         mixed = len({lobby.digests[m] for m in members}) > 1
         if deadline_s > 0:
             deadline_s = min([deadline_s, *(lobby.caps[m] for m in members if m in lobby.caps)])
-        group = Group(lobby.round, tuple(members), tuple(lobby.joined[m] for m in members), mixed, deadline_s)
+        weights = [lobby.joined[m] for m in members]
+        if self.published_tokens is not None:
+            published = await self.published_tokens([m for m in members if m != self.me], lobby.round)
+            weights = plausible_weights(lobby.round, members, weights, self.me, published)
+        group = Group(lobby.round, tuple(members), tuple(weights), mixed, deadline_s)
         lobby.settle(group)
         missing = expected - set(members)
         if missing:
             log.info("round %d: formed a group of %d without %s", lobby.round, group.size, [m[-8:] for m in missing])
         return group
+
+
+def plausible_weights(
+    round_: int, members: list[str], weights: list[float], me: str, published: Mapping[str, float]
+) -> list[float]:
+    """A leader's cap on its members' token weights, from what their published records make plausible.
+
+    A member counts at most ``PLAUSIBLE_SLACK`` times the tokens its record accounts for (``tokens_per_s`` times
+    ``inner_s``). An honest node publishes the round's own before it joins; a leader whose view lags holds the one
+    of the round before, and the slack covers a round that ran faster than that one. A member with no such record
+    (a newcomer, or one that never publishes) counts at most the group's median weight, the lower one of an even
+    count (in a group of two, the leader's). The leader's own weight is its own. These are the group's agreed
+    weights, which every member caps again relative to the group's median (``Aggregator.cap``).
+
+    What this does not do: a record is a claim, signed by the peer it describes, so a peer that lies in its record
+    as much as in its join is bounded only by the median cap. What it does: a weight is bound to a public claim
+    that every peer sees (``swarmtrain status``, the dashboard), so a member counts no more than the throughput it
+    shows the swarm, and one that shows none counts as a typical member at most."""
+    contributors = sorted(w for w in weights if w > 0)
+    typical = contributors[(len(contributors) - 1) // 2] if contributors else 0.0
+    capped = []
+    for peer, weight in zip(members, weights, strict=True):
+        tokens = published.get(peer) if peer != me else None
+        tokens = tokens if tokens is not None and tokens > 0 else None  # a record of no training says nothing
+        limit = weight if peer == me else typical if tokens is None else PLAUSIBLE_SLACK * tokens
+        if weight > limit and tokens is None:
+            log.info("round %d: counting %s at %g tokens, not %g: no record of its throughput yet", round_,
+                     peer[-8:], limit, weight)  # fmt: skip
+        elif weight > limit:
+            log.warning("round %d: counting %s at %g tokens, not %g: its record accounts for %g", round_,
+                        peer[-8:], limit, weight, tokens)  # fmt: skip
+        capped.append(min(weight, limit))
+    return capped

@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from typing import Annotated, Any, Optional
 
 import pydantic.v1 as pv1
@@ -36,6 +36,7 @@ BAN_PEER_CHARS = 12  # a banned peer is named by the end of its id, as `swarmtra
 BAN_REASON_CHARS = 120
 MAX_LOSS = 1e4  # a loss or bits per byte beyond this is a lie or a model gone to ruin
 MAX_COUNT = 2**53  # tokens or bytes a record may claim (exact in a float)
+RECORD_LOOKUP_S = 1.0  # the longest a leader looks up its members' records before it forms the group
 
 
 class BanEntry(BaseModel):
@@ -240,6 +241,22 @@ class Membership:
 
     def update(self, **changes: Any) -> None:
         self.record = self.record.model_copy(update=changes)
+
+    async def published_tokens(self, peers: Collection[str], round_: int) -> dict[str, float]:
+        """The tokens each of ``peers`` says it trained on in its last inner phase: its record's ``tokens_per_s``
+        times its ``inner_s`` (a peer with no record in view is left out). A node publishes the record of round
+        ``round_``'s inner phase just before it joins that round's group; where a record in view is older, the swarm
+        is looked up again first, for at most ``RECORD_LOOKUP_S`` (after that, the view as it is)."""
+        if not all(self._published(peer, round_) for peer in peers):
+            try:
+                await asyncio.wait_for(self.refresh(), RECORD_LOOKUP_S)
+            except Exception as exc:  # a slow or failed lookup: the records in view are what we have
+                log.debug("looking up the records of round %d's group: %r", round_, exc)
+        return {p: r.tokens_per_s * r.inner_s for p in peers if (r := self.view.get(p)) is not None}
+
+    def _published(self, peer: str, round_: int) -> bool:
+        record = self.view.get(peer)
+        return record is not None and (record.round > round_ or (record.round, record.phase) == (round_, "averaging"))
 
     def _value(self) -> dict[str, Any]:
         value = self.record.model_dump()

@@ -229,6 +229,8 @@ class Node:
             signer, _ = record_validators(node.run_id, private_key)
             membership = Membership(dht, signer, record, ttl=node.record_ttl_s, auth=auth)
             self._membership = membership
+            if avg.weighting == "tokens" and averager.aggregator.cap > 0:  # a swarm that caps weights: by records too
+                averager.matchmaker.published_tokens = membership.published_tokens
             self.status.listeners.append(lambda state, why: membership.update(state=str(state), reason=why[:240]))
             self.status.peers_source = lambda: _peer_table(membership)
             write_resolved(config, self.run_dir)
