@@ -100,7 +100,7 @@ def test_a_node_claiming_a_huge_weight_counts_no_more_than_twice_what_its_record
     """Three honest nodes and one that claims a million times the tokens it trained on, in a public swarm weighted
     by tokens (the defaults). Its record (tokens/s and inner time) is honest. The identities are made so that the
     hostile node has the highest peer id: an honest node (the lowest id) leads every round and counts the hostile
-    node at no more than twice the tokens its record accounts for (``PLAUSIBLE_SLACK``), saying so in its log.
+    node at no more than twice the tokens its record accounts for (``PLAUSIBLE_SLACK``), saying why in its log.
     The honest nodes count as they trained, and every round ends with one digest among them."""
     ids = {}
     for i in range(4):
@@ -123,9 +123,11 @@ def test_a_node_claiming_a_huge_weight_counts_no_more_than_twice_what_its_record
             assert r["group_size"] == 4 and r["outcome"] == "applied", r
             assert weights[r["peer_id"]] == r["tokens"], r
             assert 0 < weights[bad] <= PLAUSIBLE_SLACK * trained[r["round"]], (r, trained)
-    capped = f"counting {bad[-8:]} at "
-    lines = [line for line in swarm.log("n0").splitlines() if capped in line and "its record accounts for" in line]
-    assert len(lines) == 3, swarm.log("n0")[-3000:]
+    # n0 says why, every round. From round 1 on its view holds the record of the round before at least; in round
+    # 0 its lookup may miss the record (a DHT under load), and it counts the node as the group's lower median.
+    capped = f": counting {bad[-8:]} at "
+    why = {int(line.split("round ")[1].split(":")[0]): line for line in swarm.log("n0").splitlines() if capped in line}
+    assert sorted(why) == [0, 1, 2] and all("its record accounts for" in why[r] for r in (1, 2)), why
 
 
 @pytest.mark.slow
