@@ -83,10 +83,19 @@ def test_seeds_that_found_breaks_hold_now(seed: int, rounds: int) -> None:
     check([seed], rounds)
 
 
+# Found by a sweep of three-round seeds with both (``--seed 600000 --count 1500 --rounds 3 --cuts --joins``): round 2's
+# leader froze as it answered one member, and the only other live member was an observer (weight 0), which sends
+# nothing early. The unanswered member learned of the group late, and the two decided differently on a shard ((c));
+# the digest vote left them one state. The limit the README states: (e) and (f) were already not checked there, and
+# now (c) is not either, as in any round with two failures.
+ANSWERED_LATE = (600543, 3)
+
+
 def test_a_round_with_two_failures_is_held_to_one_state_by_the_digest_vote() -> None:
     seed, fired = TWO_FAILURES
     assert failures(fired) == 2 and failures(fired[:3]) == 1 and failures(fired[:2]) == 0
     check([seed], 2)
+    check([ANSWERED_LATE[0]], ANSWERED_LATE[1], cuts=True, joins=True)
 
 
 @pytest.mark.parametrize(("seed", "rounds"), FOUND_WITH_CUTS)

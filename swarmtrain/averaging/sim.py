@@ -30,7 +30,8 @@ member's answer stays in the frozen process until it resumes, the others have th
 (f) every member that stayed live and unfrozen ends the round in the same group (the one the leader formed).
 
 The member the leader did not answer learns of its group from the first message another member sends it; where
-every other member contributes nothing (weight 0), that may come too late, so (e) and (f) are not checked then.
+every other member contributes nothing (weight 0), that may come too late: a second failure, so (c), (e) and (f)
+are not checked then.
 
 Each seed also draws the group's aggregator (``robust``), so (a)-(c) hold for the robust ones too.
 
@@ -325,12 +326,13 @@ async def simulate(seed: int, rounds: int = 2, cuts: bool = False, joins: bool =
             m.alive = m.averager.me not in net.dead
         # A member the frozen leader did not answer may wait out its pings before it leads (README: the bound).
         failover = LEADER_FAILOVER_S if any(f.startswith("freeze-answer") for f in faults.fired) else 0.0
+        observers = {p for p, w in zip(peers, weights, strict=True) if w == 0}
+        late = _answered_late(live, faults.fired, observers)
         found = _check(
             live, outcomes, weights, contributed, before, own, codec, momentum, set(faults.frozen), aggregator.plain,
-            failover, failures(faults.fired),
+            failover, failures(faults.fired) + late,
         )  # fmt: skip
-        observers = {p for p, w in zip(peers, weights, strict=True) if w == 0}
-        found += _check_confirmed(live, outcomes, set(faults.frozen), faults.fired, observers)
+        found += _check_confirmed(live, outcomes, set(faults.frozen), faults.fired, late)
         violations += [f"{context}: {v}" for v in found]
         for m, o in zip(live, outcomes, strict=True):
             if isinstance(o, RoundOutcome) and o.outcome == "diverged":
@@ -448,20 +450,22 @@ def _links_counted_gone(fired: list[str]) -> int:
     return sum(f.endswith("(timed out)") for f in fired) + sum(n >= PING_FAILURES for n in pings.values())
 
 
+def _answered_late(live: list[Member], fired: list[str], observers: set[str]) -> bool:
+    """Whether the member a frozen leader did not answer may hear of its group too late to take part: it hears of
+    it from the first message another member sends it, and where every other member contributes nothing (weight
+    0), that may be their report. The two are then cut off from each other: a second failure."""
+    held = [f.split(" ")[1].split("->") for f in fired if f.startswith("freeze-answer")]
+    return bool(held) and all(m.averager.me in observers or m.averager.me in held[0] for m in live)
+
+
 def _check_confirmed(
-    live: list[Member], outcomes: list[Any], frozen: set[str], fired: list[str], observers: set[str]
+    live: list[Member], outcomes: list[Any], frozen: set[str], fired: list[str], answered_late: bool
 ) -> list[str]:
     """(e) a member that stayed live and answered, in a group where another one did too, confirms the round: with
     one failure a round, the two agree on their digests and each holds the other's. (A message slower than its
-    timeout, or two failed pings of one link, make the sender count the receiver gone: a second failure, so such
-    a round is left out of this check.)"""
-    if _links_counted_gone(fired):
-        return []
-    held = [f.split(" ")[1].split("->") for f in fired if f.startswith("freeze-answer")]
-    if held and all(m.averager.me in observers or m.averager.me in held[0] for m in live):
-        # The member the frozen leader did not answer hears of its group from the first message another member
-        # sends it; where the others contribute nothing (weight 0), that may be their report, too late to join:
-        # the two are cut off from each other, a second failure.
+    timeout, or two failed pings of one link, make the sender count the receiver gone, and a member may hear of its
+    group too late (``_answered_late``): a second failure, so such a round is left out of this check.)"""
+    if _links_counted_gone(fired) or answered_late:
         return []
     correct = {
         m.averager.me: o
