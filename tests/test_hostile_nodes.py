@@ -22,15 +22,16 @@ from .test_swarm import digests_by_round
 
 
 def three_honest_and_one(
-    swarm: Swarm, rounds: int, *hostile: str, common: tuple[str, ...] = (), identities: tuple[str, ...] = ("", "", "")
+    swarm: Swarm, rounds: int, *hostile: str, common: tuple[str, ...] = (), own: dict[str, str] | None = None
 ) -> list[str]:
-    """Start n0, n1, n2 (each with its setting in ``identities``, if any) and ``bad`` (with the ``hostile``
-    settings), each waiting for all four and with the ``common`` settings; returns the names."""
+    """Start n0, n1, n2 and ``bad`` (with the ``hostile`` settings), each waiting for all four, with the ``common``
+    settings and its setting in ``own`` (by name), if any; returns the names."""
     names = ["n0", "n1", "n2", "bad"]
     first = None
-    for name, own in zip(names, [*identities, ""], strict=True):
+    for name in names:
         bad = [*hostile, "attack.test_only=true"] if name == "bad" else []
-        swarm.start(name, rounds, join=first, extra=["node.min_peers=4", *common, *filter(None, [own]), *bad])
+        mine = [own[name]] if own and name in own else []
+        swarm.start(name, rounds, join=first, extra=["node.min_peers=4", *common, *mine, *bad])
         first = first or swarm.join_line(name)
     return names
 
@@ -107,11 +108,9 @@ def test_a_node_claiming_a_huge_weight_counts_no_more_than_twice_what_its_record
         path = tmp_path / f"identity{i}.key"
         P2P.generate_identity(str(path))
         ids[peer_id_of(load_identity_key(path).get_public_key().to_bytes())] = path
-    order = sorted(ids)
-    names = three_honest_and_one(
-        swarm, 3, "attack.kind=big-weight", f"node.identity={ids[order[3]]}",
-        identities=tuple(f"node.identity={ids[peer]}" for peer in order[:3]),
-    )  # fmt: skip
+    order = sorted(ids)  # n0, n1, n2 and bad, in the order of their peer ids
+    own = {name: f"node.identity={ids[peer]}" for name, peer in zip(["n0", "n1", "n2", "bad"], order, strict=True)}
+    names = three_honest_and_one(swarm, 3, "attack.kind=big-weight", own=own)
     swarm.wait(names, timeout=240)
     assert_one_digest_per_round(swarm, names[:3], 3)
     bad = swarm.join_line("bad").rsplit("/", 1)[-1]

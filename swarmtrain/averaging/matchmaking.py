@@ -467,14 +467,16 @@ def plausible_weights(
     typical = contributors[(len(contributors) - 1) // 2] if contributors else 0.0
     capped = []
     for peer, weight in zip(members, weights, strict=True):
-        tokens = published.get(peer) if peer != me else None
-        tokens = tokens if tokens is not None and tokens > 0 else None  # a record of no training says nothing
-        limit = weight if peer == me else typical if tokens is None else PLAUSIBLE_SLACK * tokens
-        if weight > limit and tokens is None:
-            log.info("round %d: counting %s at %g tokens, not %g: no record of its throughput yet", round_,
-                     peer[-8:], limit, weight)  # fmt: skip
-        elif weight > limit:
+        tokens = published.get(peer, 0.0)  # 0: no record, or one of no training, which says nothing
+        limit = PLAUSIBLE_SLACK * tokens if tokens > 0 else typical
+        if peer == me or weight <= limit:
+            capped.append(weight)
+            continue
+        if tokens > 0:
             log.warning("round %d: counting %s at %g tokens, not %g: its record accounts for %g", round_,
                         peer[-8:], limit, weight, tokens)  # fmt: skip
-        capped.append(min(weight, limit))
+        else:
+            log.info("round %d: counting %s at %g tokens, not %g: no record of its throughput yet", round_,
+                     peer[-8:], limit, weight)  # fmt: skip
+        capped.append(limit)
     return capped
