@@ -217,6 +217,21 @@ async def test_forged_round_and_inner_phase_claims_are_ignored(identities: list[
     assert set(await member(behind, me, round=0, digest="").refresh()) == {me.peer_id, a.peer_id, b.peer_id}
 
 
+async def test_the_tokens_a_record_accounts_for_are_the_whole_tokens_its_node_counted(
+    identities: list[Identity],
+) -> None:
+    """Failed in CI at be74b02: a node publishes ``tokens / inner_s`` and a leader multiplies back by ``inner_s``;
+    that came to 384.00000000000006 for 384 tokens, so the cap on a member claiming more was a hair above twice its
+    record."""
+    me, a, silent = identities[:3]
+    dht = FakeDHT()
+    inner_s = 17.674177716896725
+    await member(dht, a, phase="averaging", tokens_per_s=384 / inner_s, inner_s=inner_s).publish()
+    leader = member(dht, me)
+    await leader.refresh()
+    assert await leader.published_tokens([a.peer_id, silent.peer_id], 5) == {a.peer_id: 384.0}
+
+
 async def test_half_a_swarm_still_waiting_to_start_does_not_hide_the_half_that_started(
     identities: list[Identity],
 ) -> None:

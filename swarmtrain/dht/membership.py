@@ -244,15 +244,16 @@ class Membership:
 
     async def published_tokens(self, peers: Collection[str], round_: int) -> dict[str, float]:
         """The tokens each of ``peers`` says it trained on in its last inner phase: its record's ``tokens_per_s``
-        times its ``inner_s`` (a peer with no record in view is left out). A node publishes the record of round
-        ``round_``'s inner phase just before it joins that round's group; where a record in view is older, the swarm
-        is looked up again first, for at most ``RECORD_LOOKUP_S`` (after that, the view as it is)."""
+        times its ``inner_s``, to the nearest whole token as it counted them (a peer with no record in view is left
+        out). A node publishes the record of round ``round_``'s inner phase just before it joins that round's group;
+        where a record in view is older, the swarm is looked up again first, for at most ``RECORD_LOOKUP_S`` (after
+        that, the view as it is)."""
         if not all(self._published(peer, round_) for peer in peers):
             try:
                 await asyncio.wait_for(self.refresh(), RECORD_LOOKUP_S)
             except Exception as exc:  # a slow or failed lookup: the records in view are what we have
                 log.debug("looking up the records of round %d's group: %r", round_, exc)
-        return {p: r.tokens_per_s * r.inner_s for p in peers if (r := self.view.get(p)) is not None}
+        return {p: float(round(r.tokens_per_s * r.inner_s)) for p in peers if (r := self.view.get(p)) is not None}
 
     def _published(self, peer: str, round_: int) -> bool:
         record = self.view.get(peer)
