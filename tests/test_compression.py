@@ -313,6 +313,20 @@ def test_invalid_specs_say_what_is_wrong(spec: str, message: str) -> None:
         get_codec(spec)
 
 
+@pytest.mark.parametrize("spec", DENSE_SPECS)
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_encode_refuses_a_non_finite_update_with_or_without_error_feedback(spec: str, bad: float) -> None:
+    """fp16 and bf16 round straight into the payload, where a value beyond their range turns to inf as well: that
+    one is clamped and sent, a NaN or inf in the update itself is refused, in both entry points."""
+    codec, x = get_codec(spec), torch.tensor([1.0, bad, 3.0])
+    with pytest.raises(CodecError, match="non-finite"):
+        codec.encode(x)
+    with pytest.raises(CodecError, match="non-finite"):
+        codec.encode_feedback(x, torch.zeros(3), torch.zeros(3))
+    beyond = torch.tensor([1e38, -3e38, 2.0])  # finite in fp32, beyond fp16 (and, rounded, near bf16's max)
+    assert bool(torch.isfinite(codec.decode(codec.encode(beyond), 3)).all())
+
+
 def test_encode_rejects_non_finite_input_and_wrong_shapes() -> None:
     codec = get_codec("int8")
     with pytest.raises(CodecError, match="non-finite"):
