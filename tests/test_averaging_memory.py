@@ -456,3 +456,26 @@ async def test_a_member_sent_on_to_a_leader_that_refuses_asks_the_one_that_sent_
     outcomes = await asyncio.gather(leading, does_not)
     seen = [(o.outcome, o.group.members) for o in outcomes]
     assert seen == [("applied", ("peer1", "peer2"))] * 2, f"the two live members averaged apart: {seen}"
+
+
+@pytest.mark.parametrize("order", [[0, 1, 2], [2, 0, 1]], ids=["in-order", "out-of-order"])
+async def test_a_shards_result_hash_folded_in_as_its_parts_arrive_is_the_hash_of_the_whole(order: list[int]) -> None:
+    """Members hash each result part as it lands (``_result_hash``), not the whole shard after the transfer; the
+    hash members compare must still be that of the shard's values and masks, whatever order the parts came in."""
+    from swarmtrain.averaging.allreduce import AllReduce
+    from swarmtrain.averaging.outer import state_digest
+
+    group = Group(0, ("a", "b"), (1.0, 1.0))
+    fp16 = get_codec("fp16")
+    exchange = AllReduce(
+        group, "a", torch.zeros(6000), MemoryNetwork().transport("a"), header={}, codec_up=fp16, codec_down=fp16,
+        part_numel=1000, deadline=1e9,
+    )  # fmt: skip
+    values = torch.randn(3000, generator=torch.Generator().manual_seed(0))
+    masks = [b"\x03", b"\x02", b"\x03"]  # whom each part included: both members, then only b
+    for part in order:
+        payload = fp16.encode(values[part * 1000 : (part + 1) * 1000])
+        exchange.on_result("b", {"shard": 1, "part": part, "codec": "fp16"}, masks[part] + payload)
+    box = exchange.results[1]
+    assert box.complete.is_set() and torch.equal(box.buffer, fp16.decode(fp16.encode(values), 3000))
+    assert exchange._result_hash(1) == state_digest(box.buffer, extra=b"".join(masks))

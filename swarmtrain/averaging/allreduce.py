@@ -37,7 +37,6 @@ import torch
 
 from swarmtrain.averaging.exchange import MAX_ABS_VALUE, AllReduceResult, GroupExchange, Unsettled, wait_or_dead
 from swarmtrain.averaging.group import Group
-from swarmtrain.averaging.outer import state_digest
 from swarmtrain.averaging.robust import Aggregator
 from swarmtrain.averaging.signing import MAX_KEY_BYTES, MAX_SIG_BYTES, RoundSigner
 from swarmtrain.compression import Codec, CodecError
@@ -72,6 +71,9 @@ class _Inbox:
     buffer: torch.Tensor
     parts: set[int] = field(default_factory=set)
     masks: dict[int, bytes] = field(default_factory=dict)  # results only: per part, the members the reducer included
+    # Results only: BLAKE3 over the first ``hashed`` parts' values, folded in as they arrive (``_result_hash``).
+    hasher: Any = field(default_factory=blake3.blake3)
+    hashed: int = 0
     complete: asyncio.Event = field(default_factory=asyncio.Event)
     arrived: asyncio.Event = field(default_factory=asyncio.Event)
 
@@ -172,10 +174,22 @@ class AllReduce(GroupExchange):
 
     def _result_hash(self, j: int) -> str:
         """What members compare for shard j: the averaged values and whom each part included, so that members
-        that apply the shard also agree on whose contribution it holds (see ``_give_back``)."""
+        that apply the shard also agree on whose contribution it holds (see ``_give_back``). The hash of
+        ``state_digest(values, extra=masks)``, of which the values were hashed as their parts arrived."""
         box = self.results[j]
-        masks = b"".join(box.masks[p] for p in sorted(box.masks))
-        return state_digest(box.buffer, extra=masks)
+        self._hash_arrived(box)
+        hasher = box.hasher.copy()
+        hasher.update(b"".join(box.masks[p] for p in sorted(box.masks)))
+        return hasher.hexdigest()[:24]
+
+    def _hash_arrived(self, box: _Inbox) -> None:
+        """Fold the result parts stored since the last call, in order up to the first still missing, into the
+        shard's hash: during the transfer, not after it, when every member would wait on the hash."""
+        parts = self._parts(box.buffer.numel())
+        while box.hashed in box.parts:
+            start, end = parts[box.hashed]
+            box.hasher.update(box.buffer[start:end].view(torch.uint8).numpy())
+            box.hashed += 1
 
     def _seal(self, shard: int, part: int, payload: bytes) -> bytes:
         """A part as it is sent: where the swarm checks reducers (``verify``, a swarm setting), its sender's signature
@@ -253,6 +267,7 @@ class AllReduce(GroupExchange):
             mask = self._check_mask(bytes(view[: self.mask_bytes]))
             self._store(self.results[j], header, view[self.mask_bytes :], self.codec_down, "result")
             self.results[j].masks[header["part"]] = mask
+            self._hash_arrived(self.results[j])
         except Rejected as exc:
             self.liveness.mark_dead(sender, f"sent a bad result ({exc})")
             raise
