@@ -104,6 +104,14 @@ def _wait_for(path: Path, timeout: float = 120.0, procs: Sequence[mp.process.Bas
         time.sleep(0.01)
 
 
+def _write(path: Path, text: str) -> None:
+    """Write a file another process waits for (``_wait_for``) whole or not at all: a reader that saw it exist
+    before its text was in read an empty peer id, and that peer's first send failed its run."""
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text(text)
+    partial.replace(path)
+
+
 def _barrier(workdir: Path, idx: int) -> None:
     (workdir / f"ready{idx}").touch()
     _wait_for(workdir / "go", timeout=600)
@@ -136,7 +144,7 @@ def ours_worker(
     async def main() -> None:
         join = [] if idx == 0 else [(work / "maddr0").read_text()]
         p2p = await P2P.create(initial_peers=join or None, host_maddrs=[link.maddr])
-        (work / f"maddr{idx}").write_text(str((await p2p.get_visible_maddrs())[0]))
+        _write(work / f"maddr{idx}", str((await p2p.get_visible_maddrs())[0]))
         transport = P2PTransport(p2p, up_mbit=link.pace_mbit, down_mbit=link.pace_mbit)
         averager = Averager(
             transport, torch.zeros(numel), run_id="bench", group_size=peers, outer_lr=1.0, outer_momentum=0.0,
@@ -144,7 +152,7 @@ def ours_worker(
             deadline_factor=10.0,
         )  # fmt: skip
         await averager.start()
-        (work / f"id{idx}").write_text(transport.peer_id)
+        _write(work / f"id{idx}", transport.peer_id)
         for i in range(peers):
             _wait_for(work / f"id{i}")
         members = sorted((work / f"id{i}").read_text() for i in range(peers))
@@ -160,11 +168,11 @@ def ours_worker(
             start = time.time()
             outcome = await averager.run_round(delta, 1.0, members, set(members), gather_timeout=60.0)
             times.append((start, time.time(), outcome.outcome, outcome.group.size, outcome.phases))
-        (work / f"cpu{idx}").write_text(str(time.process_time() - cpu))
+        _write(work / f"cpu{idx}", str(time.process_time() - cpu))
         if profiler is not None:
             profiler.disable()
             profiler.dump_stats(work / "peer0.prof")
-        (work / f"result{idx}.json").write_text(json.dumps(times[1:]))
+        _write(work / f"result{idx}.json", json.dumps(times[1:]))
         await asyncio.sleep(1.0)  # let the others finish reading our last results
         await p2p.shutdown()
 
@@ -191,7 +199,7 @@ def raw_worker(
     async def main() -> None:
         join = [] if idx == 0 else [(work / "maddr0").read_text()]
         p2p = await P2P.create(initial_peers=join or None, host_maddrs=[link.maddr])
-        (work / f"maddr{idx}").write_text(str((await p2p.get_visible_maddrs())[0]))
+        _write(work / f"maddr{idx}", str((await p2p.get_visible_maddrs())[0]))
         transport = P2PTransport(p2p, up_mbit=link.pace_mbit, down_mbit=link.pace_mbit)
         arrived: dict[int, set[str]] = {}
         events: dict[int, asyncio.Event] = {}
@@ -205,7 +213,7 @@ def raw_worker(
             return {}, b""
 
         await transport.serve_stream("raw", on_raw, max_body=frame, max_frames=len(frames) + 1)
-        (work / f"id{idx}").write_text(transport.peer_id)
+        _write(work / f"id{idx}", transport.peer_id)
         for i in range(peers):
             _wait_for(work / f"id{i}")
         others = [(work / f"id{i}").read_text() for i in range(peers) if i != idx]
@@ -226,8 +234,8 @@ def raw_worker(
             await asyncio.gather(*(send(p, r) for p in others))
             await events.setdefault(r, asyncio.Event()).wait()
             times.append((start, time.time(), "applied", peers))
-        (work / f"cpu{idx}").write_text(str(time.process_time() - cpu))
-        (work / f"result{idx}.json").write_text(json.dumps(times[1:]))
+        _write(work / f"cpu{idx}", str(time.process_time() - cpu))
+        _write(work / f"result{idx}.json", json.dumps(times[1:]))
         await asyncio.sleep(1.0)
         await p2p.shutdown()
 
@@ -245,7 +253,7 @@ def hivemind_worker(idx: int, peers: int, numel: int, codec: str, rounds: int, w
     work = Path(workdir)
     join = [] if idx == 0 else [(work / "maddr0").read_text()]
     dht = DHT(initial_peers=join, host_maddrs=[link.maddr], start=True)
-    (work / f"maddr{idx}").write_text(str(dht.get_visible_maddrs()[0]))
+    _write(work / f"maddr{idx}", str(dht.get_visible_maddrs()[0]))
     tensor = torch.randn(numel, generator=torch.Generator().manual_seed(idx))
     averager = DecentralizedAverager(
         [tensor], dht, start=True, prefix="bench", target_group_size=peers, min_group_size=peers,
@@ -259,7 +267,7 @@ def hivemind_worker(idx: int, peers: int, numel: int, codec: str, rounds: int, w
         start = time.time()
         result = averager.step(timeout=120)
         times.append((start, time.time(), "applied" if result else "failed", len(result or {})))
-    (work / f"result{idx}.json").write_text(json.dumps(times[1:]))
+    _write(work / f"result{idx}.json", json.dumps(times[1:]))
     time.sleep(1.0)
     averager.shutdown()
     dht.shutdown()
