@@ -175,9 +175,9 @@ class AllReduce(GroupExchange):
     def _result_hash(self, j: int) -> str:
         """What members compare for shard j: the averaged values and whom each part included, so that members
         that apply the shard also agree on whose contribution it holds (see ``_give_back``). The hash of
-        ``state_digest(values, extra=masks)``, of which the values were hashed as their parts arrived."""
+        ``state_digest(values, extra=masks)`` for a complete shard, whose values ``on_result`` hashed as they
+        arrived."""
         box = self.results[j]
-        self._hash_arrived(box)
         hasher = box.hasher.copy()
         hasher.update(b"".join(box.masks[p] for p in sorted(box.masks)))
         return hasher.hexdigest()[:24]

@@ -15,15 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from swarmtrain.compression.base import BaseCodec, CodecState, Options, all_finite
-from swarmtrain.compression.wire import (
-    CodecError,
-    Params,
-    as_buffer,
-    header_size,
-    pack_header,
-    read_tensor,
-    view_tensor,
-)
+from swarmtrain.compression.wire import Params, as_buffer, header_size, pack_header, read_tensor, view_tensor
 
 FLOAT_DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
@@ -76,9 +68,8 @@ class _FloatCodec(BaseCodec):
         out.copy_(view_tensor(body, 0, out.numel(), self.dtype))  # converts as it copies: one pass
 
     def encode(self, tensor: torch.Tensor, state: CodecState | None = None) -> bytes:
-        if state is not None or not self._direct(tensor):
-            return super().encode(tensor, state)
-        return self._payload(tensor.detach())[0]
+        direct = self._payload(tensor.detach()) if state is None and self._direct(tensor) else None
+        return direct[0] if direct is not None else super().encode(tensor, state)
 
     def encode_feedback(self, tensor: torch.Tensor, residual: torch.Tensor, decoded: torch.Tensor) -> bytes:
         """``BaseCodec.encode_feedback`` in four passes and no temporaries: the sum, its rounding written straight
@@ -86,7 +77,10 @@ class _FloatCodec(BaseCodec):
         if not (tensor.shape == residual.shape == decoded.shape and self._direct(tensor)):
             return super().encode_feedback(tensor, residual, decoded)
         torch.add(tensor.detach(), residual, out=decoded)
-        payload, stored = self._payload(decoded)
+        direct = self._payload(decoded)
+        if direct is None:
+            return super().encode_feedback(tensor, residual, decoded)
+        payload, stored = direct
         torch.sub(decoded, stored, out=residual)  # in float32: ``stored`` widens exactly
         decoded.copy_(stored)
         return payload
@@ -96,25 +90,17 @@ class _FloatCodec(BaseCodec):
         lossy = self.dtype != torch.float32
         return lossy and x.dim() == 1 and x.numel() > 0 and x.dtype == torch.float32 and x.device.type == "cpu"
 
-    def _payload(self, x: torch.Tensor) -> tuple[bytearray, torch.Tensor]:
-        """The payload of ``x`` (``encode``'s bytes), and its values as a tensor over the payload's own body.
-
-        ``x`` is rounded into the payload as it is copied; a value beyond the dtype's range rounds to inf there,
-        so one check of the stored values finds both that (rare: ``x`` is then clamped, as ``saturate`` does) and
-        a non-finite ``x``."""
+    def _payload(self, x: torch.Tensor) -> tuple[bytearray, torch.Tensor] | None:
+        """The payload of ``x`` (``encode``'s bytes), and its values as a tensor over the payload's own body; None
+        where a stored value is not finite: ``x`` held a NaN or inf, or a value beyond the dtype's range, which
+        rounds to inf as it is copied in. The base codec's path then refuses or saturates it (rare: it costs the
+        passes this one saves)."""
         size = header_size(self.codec_id)
         payload = bytearray(size + float_size(x.numel(), self.dtype))
         payload[:size] = pack_header(self.codec_id, x.numel(), {})
         stored = torch.frombuffer(payload, dtype=self.dtype, offset=size, count=x.numel())
         stored.copy_(x)
-        if not all_finite(stored):
-            if not all_finite(x):
-                raise CodecError(
-                    f"{self.name} cannot encode non-finite values (NaN or inf): the local update diverged"
-                )
-            limit = torch.finfo(self.dtype).max
-            stored.copy_(x.clamp(-limit, limit))
-        return payload, stored
+        return (payload, stored) if all_finite(stored) else None
 
     @classmethod
     def from_options(cls, options: Options) -> _FloatCodec:
