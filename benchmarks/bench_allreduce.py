@@ -19,6 +19,7 @@ Reported per case:
   all-reduce is 2 (n - 1) / n x payload;
 - CPU seconds per peer per round (ours and raw): the peer process's own CPU time over the timed rounds (its p2p
   daemon not counted). Where peers outnumber cores, a round is bound by this, not by the transfer.
+Ours and raw run with a node's process settings (``swarmtrain.memory.reuse_freed_memory``).
 ``--profile`` also prints where the first of our peers spent its CPU time in a round (cProfile, timed rounds).
 The last columns are our time over the raw transfer's and over hivemind's for the same codec.
 """
@@ -44,6 +45,7 @@ from tempfile import TemporaryDirectory
 import torch
 
 from swarmtrain.config import AveragingConfig
+from swarmtrain.memory import reuse_freed_memory
 from swarmtrain.scenarios.links import Network, kernel_available
 from swarmtrain.signals import stop_on_signals
 
@@ -138,6 +140,7 @@ def ours_worker(
     from swarmtrain.net import P2PTransport
 
     torch.set_num_threads(1)
+    reuse_freed_memory()  # as a node does (``run_node``)
     link.enter()
     work = Path(workdir)
 
@@ -189,6 +192,7 @@ def raw_worker(
 
     from swarmtrain.net import P2PTransport
 
+    reuse_freed_memory()  # the same process settings as ours
     link.enter()
     work = Path(workdir)
     elem = 2 if codec == "fp16" else 4

@@ -23,6 +23,7 @@ from rich.text import Text
 from swarmtrain.config import Config
 from swarmtrain.dht import PeerRecord, load_identity_key, swarm_records
 from swarmtrain.logs import current_log_format
+from swarmtrain.memory import reuse_freed_memory
 from swarmtrain.net import P2PTransport, load_auth, serve_hello
 from swarmtrain.net.reachability import serve_dialback
 from swarmtrain.node.node import Node, NodeError, dht_client, join_line, start_dht, start_p2p
@@ -65,6 +66,7 @@ def run_until_interrupted(main: Callable[[], Awaitable[None]], leave: Callable[[
 
 def run_node(config: Config, resume: bool = False) -> None:
     """Run a node until it finishes or is stopped: a live panel on a terminal, a line per round otherwise."""
+    reuse_freed_memory()  # before the node allocates: its rounds free and allocate multi-MB frames
     node = Node(config, resume)
     console = Console()
     with Panel(node.status, console, live=console.is_terminal and current_log_format() == "plain"):
