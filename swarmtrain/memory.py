@@ -3,12 +3,12 @@
 Every round a node receives its payloads as multi-MB frames (a part of 1M elements is 2-4 MB) and makes fresh
 payloads for what it sends; they live for a moment and are freed. With glibc's defaults, a block that large is
 a fresh mapping, or comes from the top of the heap, which is handed back to the kernel once more than a few MB
-of it is free; either way the next round's blocks fault their pages in again: about 7,300 page faults per
-round for the 30 MB a member of a group of 4 receives with 10M fp16 elements, a few milliseconds of CPU each
-round (``benchmarks/bench_allreduce.py``). ``reuse_freed_memory`` asks glibc to serve blocks below
-``REUSE_BELOW`` from the heap and to keep up to ``KEEP_FREE`` of free heap for the next round instead.
-The averager's scratch pool does the same for its own big buffers; this is for the bytes the transport and
-codecs allocate.
+of it is free; either way the next round's blocks fault their pages in again: about 7,300 page faults a round
+for 15 frames of 2 MB alive at once (``tests/test_memory.py``; the 30 MB a member of a group of 4 receives with
+10M fp16 elements), and about 10 ms more of a peer's CPU a round in ``benchmarks/bench_allreduce.py`` (four
+peers on two cores). ``reuse_freed_memory`` asks glibc to serve blocks below ``REUSE_BELOW`` from the heap and
+to keep up to ``KEEP_FREE`` of free heap for the next round instead. The averager's scratch pool does the same
+for its own big buffers; this is for the bytes the transport and codecs allocate.
 """
 
 from __future__ import annotations
