@@ -45,6 +45,7 @@ from tempfile import TemporaryDirectory
 import torch
 
 from swarmtrain.config import AveragingConfig
+from swarmtrain.fsutil import atomic_write_bytes
 from swarmtrain.memory import reuse_freed_memory
 from swarmtrain.scenarios.links import Network, kernel_available
 from swarmtrain.signals import stop_on_signals
@@ -109,9 +110,7 @@ def _wait_for(path: Path, timeout: float = 120.0, procs: Sequence[mp.process.Bas
 def _write(path: Path, text: str) -> None:
     """Write a file another process waits for (``_wait_for``) whole or not at all: a reader that saw it exist
     before its text was in read an empty peer id, and that peer's first send failed its run."""
-    partial = path.with_name(path.name + ".partial")
-    partial.write_text(text)
-    partial.replace(path)
+    atomic_write_bytes(path, text.encode())
 
 
 def _barrier(workdir: Path, idx: int) -> None:
