@@ -8,7 +8,7 @@ import struct
 import pytest
 import torch
 
-from swarmtrain.averaging import Averager, Group, gossip_groups, leader_candidates
+from swarmtrain.averaging import Averager, Group, gossip_groups, leader_candidates, state_digest
 from swarmtrain.averaging.matchmaking import Lobby
 from swarmtrain.averaging.round import Phase
 from swarmtrain.compression import get_codec
@@ -235,6 +235,27 @@ def test_gossip_groups_cover_everyone_and_change_with_the_round() -> None:
     assert groups != gossip_groups(peers, 3, "run", 1)
     assert gossip_groups(peers[:4], 16, "run", 0) == [sorted(peers[:4])]
     assert leader_candidates(peers[:4], "p2", 16, "run", 0) == sorted(peers[:4])
+
+
+async def test_without_an_outer_momentum_the_state_members_hash_and_mix_is_theta_g_alone() -> None:
+    """FedAvg and SparseLoCo's outer step keep no momentum: no buffer of zeros as large as the model to keep, hash
+    and mix. A gossip round (members whose theta_g differ) then sends a third fewer bytes: theta_g and the update
+    (fp32) instead of theta_g, the momentum and the update."""
+    sent, rng = {}, torch.Generator().manual_seed(3)
+    thetas, deltas = [torch.randn(NUMEL, generator=rng) for _ in range(3)], [torch.randn(NUMEL, generator=rng)] * 3
+    for momentum in (0.0, 0.9):
+        net, averagers = make_swarm(3, lr=0.7, momentum=momentum)
+        for a, theta in zip(averagers, thetas, strict=True):
+            a.outer.theta.copy_(theta)
+            await a.start()
+        outcomes = await run_round(averagers, deltas, [1.0] * 3)
+        assert all(o.group.mixed and o.outcome == "applied" for o in outcomes), outcomes
+        assert len({o.digest for o in outcomes}) == 1
+        sent[momentum] = sum(a.transport.counter.sent for a in averagers)
+        if momentum == 0.0:
+            assert all(a.outer.buf is None and list(a.outer.state_tensors()) == ["theta"] for a in averagers)
+            assert outcomes[0].digest == state_digest(averagers[0].outer.theta)
+    assert 0.6 < sent[0.0] / sent[0.9] < 0.7, sent
 
 
 @pytest.mark.parametrize("codec", ["fp16", "int8", "int4", "topk:frac=0.05", "powersgd:rank=2"])

@@ -19,7 +19,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from swarmtrain.averaging import Averager
+from swarmtrain.averaging import Averager, state_digest
 from swarmtrain.compression import get_codec
 from swarmtrain.data import load_corpus
 from swarmtrain.errors import CheckpointError
@@ -33,9 +33,9 @@ from tests.conftest import tiny_config
 from tests.swarm import Swarm
 
 
-def outer(theta: torch.Tensor) -> Averager:
+def outer(theta: torch.Tensor, momentum: float = 0.9) -> Averager:
     return Averager(
-        MemoryNetwork().transport("me"), theta, run_id="test", group_size=16, outer_lr=0.7, outer_momentum=0.9,
+        MemoryNetwork().transport("me"), theta, run_id="test", group_size=16, outer_lr=0.7, outer_momentum=momentum,
         codec_up=get_codec("fp16"), codec_down=get_codec("fp16"), part_numel=1 << 16, min_deadline=2.0,
         deadline_factor=4.0,
     )  # fmt: skip
@@ -139,6 +139,53 @@ def test_a_checkpoint_written_with_the_sha256_state_digest_still_resumes(tmp_pat
     save_checkpoint(config.run_dir, tensors, {**meta, "digest": sha.hexdigest()[:24]}, keep=1)
     with pytest.raises(CheckpointError, match="does not match its digest"):
         open_run_dir(config, resume=True)
+
+
+def test_without_an_outer_momentum_a_checkpoint_keeps_theta_g_alone_and_resumes_across_the_change(
+    tmp_path: Path, text_file: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A node with averaging.outer_momentum 0 keeps no momentum buffer: its checkpoint holds theta_g alone, and a
+    node with a momentum resumes from it with a buffer of zeros (what it was). A checkpoint written before protocol
+    12 (theta_g and a buffer of zeros, with the digest of both) resumes into a node without a momentum; so does one
+    with a momentum, whose buffer is dropped with a note."""
+    config = tiny_config(tmp_path, text_file)
+    inner = StandardLoop(config, load_corpus(config.data), data_seed=7)
+    plain = outer(inner.vector(), momentum=0.0)
+    plain.outer.step(torch.full_like(plain.outer.theta, 0.5))
+    plain.round = 2
+    Node(config)._checkpoint(inner, plain)
+    (path,) = list_checkpoints(config.run_dir)
+    tensors = load_file(path)
+    assert "outer.momentum" not in tensors and plain.outer.buf is None
+    with safe_open(str(path), "pt") as f:
+        meta = json.loads(f.metadata()["swarmtrain"])
+
+    def resume(momentum: float) -> Averager:
+        checkpoint = open_run_dir(config, resume=True)
+        assert checkpoint is not None
+        restored = outer(torch.zeros_like(plain.outer.theta), momentum)
+        Node(config, resume=True)._restore(
+            checkpoint, StandardLoop(config, load_corpus(config.data), data_seed=7), restored
+        )
+        assert restored.round == 2 and torch.equal(restored.outer.theta, plain.outer.theta)
+        return restored
+
+    with_momentum = resume(0.9)
+    assert with_momentum.outer.buf is not None and not with_momentum.outer.buf.any()
+    assert resume(0.0).outer.digest() == plain.outer.digest()
+
+    def rewrite(momentum: torch.Tensor) -> None:  # as a node before protocol 12, or one with a momentum, wrote it
+        path.unlink()
+        both = {**tensors, "outer.momentum": momentum}
+        digest = state_digest(both["outer.theta"], momentum)
+        save_checkpoint(config.run_dir, both, {**meta, "digest": digest}, keep=1)
+
+    rewrite(torch.zeros_like(plain.outer.theta))
+    assert resume(0.0).outer.digest() == plain.outer.digest()
+    assert "momentum is dropped" not in capsys.readouterr().out
+    rewrite(torch.full_like(plain.outer.theta, 0.25))
+    assert resume(0.0).outer.digest() == plain.outer.digest()
+    assert "the checkpoint's outer momentum is dropped: averaging.outer_momentum is 0 now" in capsys.readouterr().out
 
 
 @pytest.mark.timeout(120)

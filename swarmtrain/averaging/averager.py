@@ -41,8 +41,9 @@ log = logging.getLogger(__name__)
 # carry loss, bpb, tokens and bytes sent (``swarmtrain dashboard --join``); 9: with averaging.verify, parts signed
 # by their senders and reducers show what they averaged to members that check them ("evidence"); 10: state digests,
 # shard and payload hashes are BLAKE3 (were SHA-256); 11: joins marked "probe", answered from a formed group by any
-# of its members (a member whose leader froze before answering it asks a member that holds the group).
-PROTOCOL_VERSION = 11
+# of its members (a member whose leader froze before answering it asks a member that holds the group); 12: without
+# an outer momentum the state is theta_g alone (its digest, the gossip mix and the state download).
+PROTOCOL_VERSION = 12
 _ROUTE_WAIT = 5.0  # a member may hear of its group a moment after a peer that already sends
 _SMALL = 1 << 16
 _LEDGERS = 8  # decisions of the last rounds this member confirmed, served to members that could not
@@ -69,7 +70,7 @@ class RoundOutcome:
     spread: float | None = None  # gossip: relative distance of my theta_g to my group's average before mixing
     phases: dict[str, float] = field(default_factory=dict)  # where the round's time went
     decisions: tuple[bool, ...] = ()  # per member's slot (shard or payload): applied (True) or fell back
-    mixed: bool = False  # a gossip round: whether theta_g and the momentum were mixed (the agreed decision)
+    mixed: bool = False  # a gossip round: whether the outer state was mixed (the agreed decision)
     alone: bool = False  # decided without anyone else's report (cut off): the decisions are its own, not agreed
     checked: tuple[tuple[int, int, str], ...] = ()  # the parts of other reducers' shards I checked (``verify``)
 
@@ -149,8 +150,10 @@ class Averager:
         largest = [c.payload_size(part_numel) for c in (codec_up, codec_down, fp32)]
         largest += [seg.codec.payload_size(seg.numel) for seg in self.segments]
         self.max_body = max(largest) + 1024 + MAX_SIG_BYTES + MAX_KEY_BYTES  # a part carries its signature
-        # Parts of the largest shard (mixing doubles it), or the segments of an all-gathered payload.
-        self.max_frames = max(-(-theta.numel() * 2 // part_numel), len(self.segments)) + 1
+        # Parts of the largest shard (mixing theta_g and the momentum doubles it), or the segments of an all-gathered
+        # payload.
+        mixed = theta.numel() * len(self.outer.state_tensors())
+        self.max_frames = max(-(-mixed // part_numel), len(self.segments)) + 1
         self.snapshots = SnapshotStore()  # the states this node serves to joiners (statesync)
         self.ledgers: OrderedDict[str, dict[str, Any]] = OrderedDict()  # group id -> the decision I applied
         self.unsettled: Unsettled | None = None  # my part in a round I could not confirm (``reconcile``)
@@ -405,10 +408,10 @@ class Averager:
 
     async def _mix(self, r: Round, group: Group, update: GroupExchange) -> tuple[float | None, bool, bool]:
         """Gossip: members come from different groups of the last round, so their theta_g differ. Average theta_g
-        and the momentum first (lossless fp32), then the update as usual. Returns the spread before mixing (None
-        when not mixed), whether the group mixed, and whether I heard anyone."""
+        and the momentum (where there is one) first, lossless fp32, then the update as usual. Returns the spread
+        before mixing (None when not mixed), whether the group mixed, and whether I heard anyone."""
         r.enter(Step.MIX)
-        state = torch.cat([self.outer.theta, self.outer.buf])
+        state = torch.cat(list(self.outer.state_tensors().values()))
         mixing = self._allreduce(group, state, r.exchange_started + r.budget, codec=get_codec("fp32"), tag="/state")
         mixing.opens = r.exchange_started
         try:
@@ -427,8 +430,8 @@ class Averager:
         spread = None
         if mixes:
             spread = float((self.outer.theta - mixed.average[:numel]).norm() / mixed.average[:numel].norm())
-            self.outer.theta.copy_(mixed.average[:numel])
-            self.outer.buf.copy_(mixed.average[numel:])
+            for i, tensor in enumerate(self.outer.state_tensors().values()):
+                tensor.copy_(mixed.average[i * numel : (i + 1) * numel])
         return spread, mixes, heard
 
     async def _exchange(self, r: Round, update: GroupExchange) -> AllReduceResult:

@@ -5,6 +5,9 @@ averaged pseudo-gradient ``theta_g - theta_local``. FedAvg is lr 1 without momen
 weighted average of the local models. Every operation is elementwise in a fixed order, so members that apply
 the same averaged update to the same state end bit-identical.
 
+The state is theta_g and, with a momentum, its buffer. Without one (FedAvg, SparseLoCo's outer step) there is
+no buffer at all: nothing to keep, hash, mix, serve to joiners or checkpoint but theta_g.
+
 The round's hashes of whole tensors (this state digest, the shard and payload hashes members compare in a
 report) are BLAKE3: a cryptographic hash, and about 3.7x SHA-256's speed on one core even where the CPU has
 SHA extensions (6.7 against 1.8 GB/s measured here), which matters when every member hashes 2 x numel floats
@@ -26,11 +29,11 @@ class OuterOptimizer:
         self.lr = lr
         self.momentum = momentum
         self.nesterov = nesterov
-        self.buf = torch.zeros_like(theta)
-        self._digest: tuple[tuple[int, int], str] | None = None
+        self.buf = torch.zeros_like(theta) if momentum else None
+        self._digest: tuple[tuple[int, ...], str] | None = None
 
     def step(self, grad: torch.Tensor) -> None:
-        if self.momentum:
+        if self.buf is not None:
             self.buf.mul_(self.momentum).add_(grad)
             update = grad.add(self.buf, alpha=self.momentum) if self.nesterov else self.buf
         else:
@@ -38,7 +41,9 @@ class OuterOptimizer:
         self.theta.sub_(update, alpha=self.lr)
 
     def state_tensors(self) -> dict[str, torch.Tensor]:
-        return {"theta": self.theta, "momentum": self.buf}
+        """The state every member holds alike, by name: what the digest covers, joiners download and checkpoints
+        keep (``theta``, and ``momentum`` where there is one)."""
+        return {"theta": self.theta} if self.buf is None else {"theta": self.theta, "momentum": self.buf}
 
     def load_state_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
         for name, target in self.state_tensors().items():
@@ -48,11 +53,12 @@ class OuterOptimizer:
             target.copy_(value)
 
     def digest(self) -> str:
-        # Hashing 2 x numel floats costs ~25 ms per 10M parameters; tensor version counters tell us whether
+        # Hashing costs about 6 ms per 10M floats of state (BLAKE3, one core); tensor version counters tell us whether
         # any in-place op touched the state since the last hash.
-        key = (self.theta._version, self.buf._version)
+        tensors = self.state_tensors().values()
+        key = tuple(t._version for t in tensors)
         if self._digest is None or self._digest[0] != key:
-            self._digest = (key, state_digest(self.theta, self.buf))
+            self._digest = (key, state_digest(*tensors))
         return self._digest[1]
 
 

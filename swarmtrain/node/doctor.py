@@ -34,7 +34,7 @@ from swarmtrain.node import settings
 from swarmtrain.node.settings import Answer, ask_settings, differences, fix_for, majority, swarm_settings
 from swarmtrain.train.device import present_devices, resolve_device
 
-CHECKPOINT_COPIES = 5  # float32 copies of the parameters in a node checkpoint: model, AdamW m and v, theta_g, momentum
+CHECKPOINT_COPIES = 4  # float32 copies of the parameters in a node checkpoint: model, AdamW m and v, theta_g
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,7 +78,7 @@ def checkpoint_bytes(config: Config) -> int:
 
     with torch.device("meta"):
         numel = sum(p.numel() for p in ByteTransformer(config.model).parameters())
-    return CHECKPOINT_COPIES * 4 * numel
+    return (CHECKPOINT_COPIES + (config.averaging.outer_momentum > 0)) * 4 * numel  # and the outer momentum
 
 
 def check_disk(config: Config) -> Check:

@@ -21,6 +21,7 @@ from collections.abc import AsyncIterator, Awaitable
 from pathlib import Path
 from typing import Any
 
+import torch
 from hivemind.dht.node import DHTNode
 from hivemind.dht.validation import CompositeValidator
 from hivemind.p2p import P2P
@@ -35,6 +36,7 @@ from swarmtrain.averaging import (
     RoundOutcome,
     RoundSigner,
     leader_candidates,
+    state_digest,
 )  # fmt: skip
 from swarmtrain.averaging.attack import FORGED_AHEAD, Attack
 from swarmtrain.averaging.matchmaking import EQUAL_WEIGHT, MAX_WEIGHT
@@ -463,8 +465,16 @@ class Node:
 
     def _restore(self, checkpoint: Checkpoint, trainer: InnerLoop, averager: Averager) -> None:
         """theta_g, the outer momentum, the round and the inner trainer's state from a checkpoint (``--resume``)."""
-        round_, digest, tensors = outer_state(checkpoint)
+        round_, _, tensors = outer_state(checkpoint)
         trainer.restore(checkpoint)
+        if "momentum" in tensors and averager.outer.buf is None:
+            # Written with an outer momentum (or by a node before protocol 12, which kept a buffer of zeros without
+            # one), resumed without: the buffer has no use.
+            if tensors.pop("momentum").any():
+                print("the checkpoint's outer momentum is dropped: averaging.outer_momentum is 0 now", flush=True)
+        elif "momentum" not in tensors and averager.outer.buf is not None:
+            tensors["momentum"] = torch.zeros_like(tensors["theta"])  # written without a momentum: it starts at zero
+        digest = state_digest(*tensors.values())
         try:
             averager.outer.load_state_tensors(tensors)
         except ValueError as exc:

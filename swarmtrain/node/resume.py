@@ -3,7 +3,8 @@
     swarmtrain node --run-dir runs/a --resume --join /ip4/203.0.113.5/tcp/31337/p2p/12D3KooW...
 
 A node checkpoint holds the inner trainer's state (``node.inner``), theta_g and the outer momentum as
-``outer.theta`` / ``outer.momentum``, and the round and digest of that outer state in its metadata; the file's
+``outer.theta`` / ``outer.momentum`` (none where ``averaging.outer_momentum`` is 0), and the round and
+digest of that outer state in its metadata; the file's
 checksums cover every tensor (the inner trainer's included) and the metadata. ``--resume`` walks back from the
 newest checkpoint to the first that passes those checks and the outer digest, and names each one it skipped.
 Everything here runs before the node starts its daemons or writes to the run directory (stale temp files of a
@@ -30,7 +31,7 @@ from swarmtrain.train import (
     remove_stale_temps,
 )
 
-OUTER = ("theta", "momentum")
+OUTER = ("theta", "momentum")  # in the digest's order; a node without an outer momentum keeps theta alone
 
 
 def open_run_dir(config: Config, resume: bool) -> Checkpoint | None:
@@ -64,20 +65,19 @@ def _check(checkpoint: Checkpoint, config: Config) -> None:
 
 def outer_state(checkpoint: Checkpoint) -> tuple[int, str, dict[str, torch.Tensor]]:
     """Round, digest and tensors of the outer state in ``checkpoint``, verified against its digest."""
-    tensors = {name: checkpoint.tensors.get(f"outer.{name}") for name in OUTER}
+    found = {name: checkpoint.tensors[f"outer.{name}"] for name in OUTER if f"outer.{name}" in checkpoint.tensors}
     meta = checkpoint.meta
     round_, digest = meta.get("round"), meta.get("digest")
     counts_ok = all(isinstance(meta.get(k), int) for k in ("round", "step", "tokens"))
-    if not counts_ok or not isinstance(digest, str) or any(t is None for t in tensors.values()):
+    if not counts_ok or not isinstance(digest, str) or "theta" not in found:
         raise CheckpointError(
             f"checkpoint error: {checkpoint.path} is not a swarm node's checkpoint (no outer state; `swarmtrain "
             "train` writes such files). Start the node with a new --run-dir."
         )
-    found = {k: t for k, t in tensors.items() if t is not None}
     current = state_digest(*found.values())
     # Nodes before protocol 10 wrote a SHA-256 digest: their checkpoints still resume, with the current digest.
     matches = digest == current or digest == state_digest(*found.values(), hasher=hashlib.sha256)
-    if found["theta"].shape != found["momentum"].shape or not matches:
+    if any(t.shape != found["theta"].shape for t in found.values()) or not matches:
         raise DamagedCheckpoint(
             f"checkpoint error: the outer state in {checkpoint.path} does not match its digest {digest[:8]} (the "
             "file is damaged)."
