@@ -118,6 +118,7 @@ class AllReduce(GroupExchange):
         start, end = self.bounds[self.index]
         self.inbox = {p: _Inbox(alloc(f"{tag}inbox{i}", end - start)) for i, p in enumerate(group.members)}
         self.reduced_parts: set[int] = set()
+        self.reduced = alloc(f"{tag}reduced", min(self.part_numel, end - start))  # each part's average, in turn
         self.average = alloc(f"{tag}average", delta.numel())  # results land in place: no concatenation
         self.results = [_Inbox(self.average[s:e]) for s, e in self.bounds]
         self.residual = residual  # sender-side error feedback, the full length of ``delta``; kept by the caller
@@ -369,7 +370,7 @@ class AllReduce(GroupExchange):
                     # Nothing to average: the shard is missing for everyone (the agreed fallback), never zeros.
                     log.info("shard %d part %d: no contribution arrived; the shard falls back", self.index, p)
                     break
-                average = torch.zeros(e - s)
+                average = self.reduced[: e - s]  # encoded into a payload of its own before the next part
                 rows = [self.inbox[members[i]].buffer[s:e] for i in included]
                 self.aggregator.reduce(rows, [weights[i] for i in included], average)
                 if self.alter is not None:
