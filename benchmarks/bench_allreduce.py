@@ -6,7 +6,8 @@
 Each system runs PEERS processes on loopback that average a NUMEL-element fp32 tensor, with fp32 and with fp16
 payloads. ``raw`` is the transport's limit: the same processes and daemons (our ``P2PTransport``), each sending
 the bytes a butterfly all-reduce sends, 2 x payload / PEERS to each other peer, all at once, in frames of a
-node's part size (``--part-numel``), with no encoding, no reduction and no protocol around it.
+node's part size (``--part-numel``), with no encoding, no reduction and no protocol around it (a stream that
+breaks is sent again, and the run says how often).
 With ``--mbit``, each peer runs in a network namespace of its own whose veth the kernel's ``tbf`` holds to that
 rate each way (root and iproute2, as the scenarios' links: ``swarmtrain/scenarios/links.py``), so all three
 systems cross the same links; without root, ``--shaper transport`` paces our transport instead (ours and raw
@@ -126,6 +127,7 @@ async def _barrier_serving(workdir: Path, idx: int) -> None:
 
 
 PART_NUMEL = AveragingConfig().part_numel  # what a node uses by default
+RAW_SENDS = 3  # tries of one raw send over streams that break (``SMALL_ATTEMPTS`` of a node's report)
 
 
 def ours_worker(
@@ -185,11 +187,12 @@ def raw_worker(
     idx: int, peers: int, numel: int, codec: str, rounds: int, workdir: str, link: PeerLink, part_numel: int
 ) -> None:
     """Send 2 x payload / peers bytes to every other peer at once, every round; a round ends for this peer when
-    its sends are done and every other peer's bytes of that round arrived."""
+    its sends are done and every other peer's bytes of that round arrived. A stream that breaks is sent again
+    (at most ``RAW_SENDS`` times), as a node sends again or falls back: the run goes on, and says how often."""
     import uvloop
     from hivemind.p2p import P2P
 
-    from swarmtrain.net import P2PTransport
+    from swarmtrain.net import P2PTransport, PeerUnreachable
 
     reuse_freed_memory()  # the same process settings as ours
     link.enter()
@@ -221,12 +224,21 @@ def raw_worker(
             _wait_for(work / f"id{i}")
         others = [(work / f"id{i}").read_text() for i in range(peers) if i != idx]
 
-        async def send(peer: str, round_: int) -> None:
+        async def send(peer: str, round_: int) -> int:
+            """Send this round's bytes to ``peer``; returns how many times a broken stream was sent again."""
+
             async def body():
                 for f in frames:
                     yield f
 
-            await transport.call_stream(peer, "raw", {"round": round_}, body(), count=len(frames), timeout=120.0)
+            for again in range(RAW_SENDS):
+                try:
+                    await transport.call_stream(peer, "raw", {"round": round_}, body(), count=len(frames), timeout=120)
+                    return again
+                except PeerUnreachable:
+                    if again + 1 == RAW_SENDS:
+                        raise
+            raise AssertionError("unreachable")
 
         times = []
         for r in range(rounds + 1):
@@ -234,9 +246,9 @@ def raw_worker(
                 await _barrier_serving(work, idx)
                 cpu = time.process_time()
             start = time.time()
-            await asyncio.gather(*(send(p, r) for p in others))
+            resent = sum(await asyncio.gather(*(send(p, r) for p in others)))
             await events.setdefault(r, asyncio.Event()).wait()
-            times.append((start, time.time(), "applied", peers))
+            times.append((start, time.time(), "applied", peers, {"resent": resent}))
         _write(work / f"cpu{idx}", str(time.process_time() - cpu))
         _write(work / f"result{idx}.json", json.dumps(times[1:]))
         await asyncio.sleep(1.0)
@@ -359,6 +371,9 @@ def run_case(
     if system == "swarmtrain" and verbose:
         for k in range(rounds):
             print(f"  round {k}: " + "; ".join(str(r[k][4]) for r in results), flush=True)
+    resent = sum(r[k][4]["resent"] for r in results for k in range(rounds)) if system == "raw" else 0
+    if resent:
+        print(f"  raw ({codec}): {resent} broken stream(s) sent again in the timed rounds", flush=True)
     return {
         "wall_s": statistics.median(walls), "bytes_per_peer": (after - before) / (peers * rounds), "ok": ok,
         "cpu_s": statistics.fmean(cpus) if cpus else float("nan"),
