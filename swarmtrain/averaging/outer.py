@@ -10,8 +10,8 @@ no buffer at all: nothing to keep, hash, mix, serve to joiners or checkpoint but
 
 The round's hashes of whole tensors (this state digest, the shard and payload hashes members compare in a
 report) are BLAKE3: a cryptographic hash, and about 3.7x SHA-256's speed on one core even where the CPU has
-SHA extensions (6.7 against 1.8 GB/s measured here), which matters when every member hashes 2 x numel floats
-every round.
+SHA extensions (6.7 against 1.8 GB/s measured here), which matters when every member hashes its state (numel
+floats, or 2 x numel with a momentum) every round.
 """
 
 from __future__ import annotations

@@ -465,7 +465,7 @@ class Node:
 
     def _restore(self, checkpoint: Checkpoint, trainer: InnerLoop, averager: Averager) -> None:
         """theta_g, the outer momentum, the round and the inner trainer's state from a checkpoint (``--resume``)."""
-        round_, _, tensors = outer_state(checkpoint)
+        round_, tensors = outer_state(checkpoint)
         trainer.restore(checkpoint)
         if "momentum" in tensors and averager.outer.buf is None:
             # Written with an outer momentum (or by a node before protocol 12, which kept a buffer of zeros without

@@ -3,12 +3,11 @@
     swarmtrain node --run-dir runs/a --resume --join /ip4/203.0.113.5/tcp/31337/p2p/12D3KooW...
 
 A node checkpoint holds the inner trainer's state (``node.inner``), theta_g and the outer momentum as
-``outer.theta`` / ``outer.momentum`` (none where ``averaging.outer_momentum`` is 0), and the round and
-digest of that outer state in its metadata; the file's
-checksums cover every tensor (the inner trainer's included) and the metadata. ``--resume`` walks back from the
-newest checkpoint to the first that passes those checks and the outer digest, and names each one it skipped.
-Everything here runs before the node starts its daemons or writes to the run directory (stale temp files of a
-killed write aside), so a refused start changes nothing else.
+``outer.theta`` / ``outer.momentum`` (none where ``averaging.outer_momentum`` is 0), and the round and digest of
+that outer state in its metadata; the file's checksums cover every tensor (the inner trainer's included) and the
+metadata. ``--resume`` walks back from the newest checkpoint to the first that passes those checks and the outer
+digest, and names each one it skipped. Everything here runs before the node starts its daemons or writes to the
+run directory (stale temp files of a killed write aside), so a refused start changes nothing else.
 """
 
 from __future__ import annotations
@@ -63,8 +62,8 @@ def _check(checkpoint: Checkpoint, config: Config) -> None:
     outer_state(checkpoint)  # a damaged outer state: skipped, the walk goes on
 
 
-def outer_state(checkpoint: Checkpoint) -> tuple[int, str, dict[str, torch.Tensor]]:
-    """Round, digest and tensors of the outer state in ``checkpoint``, verified against its digest."""
+def outer_state(checkpoint: Checkpoint) -> tuple[int, dict[str, torch.Tensor]]:
+    """Round and tensors of the outer state in ``checkpoint``, verified against its digest."""
     found = {name: checkpoint.tensors[f"outer.{name}"] for name in OUTER if f"outer.{name}" in checkpoint.tensors}
     meta = checkpoint.meta
     round_, digest = meta.get("round"), meta.get("digest")
@@ -82,4 +81,4 @@ def outer_state(checkpoint: Checkpoint) -> tuple[int, str, dict[str, torch.Tenso
             f"checkpoint error: the outer state in {checkpoint.path} does not match its digest {digest[:8]} (the "
             "file is damaged)."
         )
-    return round_, current, found
+    return round_, found
