@@ -20,9 +20,9 @@ NUMEL = 10_000
 CHUNK = 8192  # the state is ~80 kB: 10 chunks
 
 
-def averager(net: MemoryNetwork, name: str, numel: int = NUMEL) -> Averager:
+def averager(net: MemoryNetwork, name: str, numel: int = NUMEL, momentum: float = 0.9) -> Averager:
     a = Averager(
-        net.transport(name), torch.zeros(numel), run_id="test", group_size=16, outer_lr=0.7, outer_momentum=0.9,
+        net.transport(name), torch.zeros(numel), run_id="test", group_size=16, outer_lr=0.7, outer_momentum=momentum,
         codec_up=get_codec("fp32"), codec_down=get_codec("fp32"), part_numel=1000, min_deadline=2.0,
         deadline_factor=4.0,
     )  # fmt: skip
@@ -76,6 +76,21 @@ async def test_chunks_come_from_every_donor_and_assemble_the_agreed_state() -> N
     assert same_state(joiner, donors[0]) and joiner.outer.digest() == digest and joiner.round == 7
     assert set(chunks) == {d.me for d in donors} and min(chunks.values()) >= 2, chunks
     assert sum(chunks.values()) == 10  # each chunk fetched once
+
+
+async def test_without_an_outer_momentum_a_joiner_downloads_theta_g_alone() -> None:
+    """FedAvg and SparseLoCo's outer step keep no momentum buffer: a joiner fetches theta_g, half the bytes."""
+    net = MemoryNetwork()
+    donor, joiner = averager(net, "donor", momentum=0.0), averager(net, "joiner", momentum=0.0)
+    donor.outer.step(torch.randn(NUMEL, generator=torch.Generator().manual_seed(0)))
+    donor.round = 3
+    for a in (donor, joiner):
+        await a.start()
+    chunks: Counter[str] = Counter()
+    net.before_call = lambda src, dst, method, header: chunks.update([dst] if "index" in header else [])
+    assert await joiner.fetch_state([donor.me], donor.outer.digest(), max_round=3)
+    assert torch.equal(joiner.outer.theta, donor.outer.theta) and joiner.outer.buf is None and joiner.round == 3
+    assert sum(chunks.values()) == 5  # 40 kB in chunks of 8 kB; theta_g and a momentum take 10 (above)
 
 
 async def test_a_donor_that_dies_mid_download_is_replaced() -> None:
