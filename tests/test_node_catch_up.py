@@ -97,7 +97,9 @@ def test_a_node_catching_up_takes_an_averaging_donor_after_a_few_heartbeats(node
     assert SETTLE_WAIT_S <= waited < SETTLE_WAIT_S + 5, waited
 
 
-def test_a_node_that_every_peer_is_behind_trains_on_after_a_few_heartbeats(node: Node) -> None:
+def test_a_node_that_every_peer_is_behind_trains_on_after_a_few_heartbeats(
+    node: Node, caplog: pytest.LogCaptureFixture
+) -> None:
     """Found in the churn lab: the one node that survived a wave of kills was left alone for its round and went to
     catch up. The fresh processes that joined meanwhile were at round 0, behind it: no donor could ever appear, yet
     it waited the whole 30 s, and they waited for it."""
@@ -120,8 +122,12 @@ def test_a_node_that_every_peer_is_behind_trains_on_after_a_few_heartbeats(node:
     view[PEERS[1]] = record(PEERS[1], 3)
     events.clear()
     started = time.monotonic()
-    asyncio.run(node._catch_up_until(averager, membership, None, started + SETTLE_WAIT_S + 6))  # type: ignore[arg-type]
+    with caplog.at_level("INFO", logger="swarmtrain.node.node"):
+        asyncio.run(node._catch_up_until(averager, membership, None, started + SETTLE_WAIT_S + 6))  # type: ignore[arg-type]
     assert time.monotonic() - started >= SETTLE_WAIT_S + 6 and [str(e) for e in events] == ["no_donor"], events
+    # Every few seconds of that wait the log says what the node sees, so a wait like it can be explained.
+    seen = "still no donor for round 4; 3 peers in view: peer-b round 3 training 00000003; peer-c round 0"
+    assert seen in caplog.text, caplog.text
 
 
 def test_a_node_that_catches_up_with_the_swarms_final_state_finishes_without_another_round(

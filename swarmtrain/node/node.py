@@ -61,6 +61,7 @@ log = logging.getLogger(__name__)
 
 P2P_ATTEMPTS = 3  # starts of the p2p daemon when none of the peers in node.join answered
 SETTLE_WAIT_S = 3.0  # how long a node catching up holds out for a donor that trains (``_catch_up_until``)
+CATCH_UP_NOTE_S = 5.0  # how often a node still catching up logs what it sees (a joiner once waited 30 s unexplained)
 
 
 class NodeError(SwarmtrainError):
@@ -388,6 +389,7 @@ class Node:
         # Not the whole catch-up: donors whose group waits for me (my record is in their view) average for most of
         # each round, and a node that held out for 30 s missed every round in between (found under load).
         patient_until = min(deadline, time.monotonic() + max(SETTLE_WAIT_S, 4 * self.config.node.heartbeat_s))
+        noted = time.monotonic()  # when the log last said what this node sees while it waits for a donor
         while True:
             ahead = [
                 r
@@ -446,6 +448,17 @@ class Node:
                 log.warning("could not catch up with the swarm; training on from my own state")
                 averager.lifecycle.advance(Event.NO_DONOR)
                 return
+            if time.monotonic() - noted >= CATCH_UP_NOTE_S:
+                noted = time.monotonic()
+                seen = [
+                    f"{p[-8:]} round {r.round} {r.phase} {r.digest[:8] or 'no digest'}"
+                    for p, r in membership.view.items()
+                    if p != averager.me
+                ]
+                log.info(
+                    "still no donor for round %d; %d peers in view: %s", averager.round, len(seen),
+                    "; ".join(seen[:8]) + (f" (+{len(seen) - 8})" if len(seen) > 8 else ""),
+                )  # fmt: skip
             await asyncio.sleep(self.config.node.heartbeat_s)
             await membership.refresh()
 
