@@ -231,14 +231,15 @@ def raw_worker(
                 for f in frames:
                     yield f
 
-            for again in range(RAW_SENDS):
+            again = 0
+            while True:
                 try:
                     await transport.call_stream(peer, "raw", {"round": round_}, body(), count=len(frames), timeout=120)
                     return again
                 except PeerUnreachable:
-                    if again + 1 == RAW_SENDS:
+                    again += 1
+                    if again == RAW_SENDS:
                         raise
-            raise AssertionError("unreachable")
 
         times = []
         for r in range(rounds + 1):

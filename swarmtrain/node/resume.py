@@ -62,8 +62,9 @@ def _check(checkpoint: Checkpoint, config: Config) -> None:
     outer_state(checkpoint)  # a damaged outer state: skipped, the walk goes on
 
 
-def outer_state(checkpoint: Checkpoint) -> tuple[int, dict[str, torch.Tensor]]:
-    """Round and tensors of the outer state in ``checkpoint``, verified against its digest."""
+def outer_state(checkpoint: Checkpoint, momentum: bool | None = None) -> tuple[int, dict[str, torch.Tensor]]:
+    """Round and tensors of the outer state in ``checkpoint``, verified against its digest; with ``momentum``
+    (whether the resuming node keeps an outer momentum), fitted to that node (``_fitted``)."""
     found = {name: checkpoint.tensors[f"outer.{name}"] for name in OUTER if f"outer.{name}" in checkpoint.tensors}
     meta = checkpoint.meta
     round_, digest = meta.get("round"), meta.get("digest")
@@ -81,4 +82,17 @@ def outer_state(checkpoint: Checkpoint) -> tuple[int, dict[str, torch.Tensor]]:
             f"checkpoint error: the outer state in {checkpoint.path} does not match its digest {digest[:8]} (the "
             "file is damaged)."
         )
-    return round_, found
+    return round_, found if momentum is None else _fitted(found, momentum)
+
+
+def _fitted(found: dict[str, torch.Tensor], momentum: bool) -> dict[str, torch.Tensor]:
+    """The outer state for a node with or without a momentum buffer: a checkpoint written without one gives a buffer
+    of zeros (what it was); one written with one (or by a node before protocol 12, which kept a buffer of zeros
+    without a momentum) gives theta_g alone to a node without one, and says so if the buffer was not zeros."""
+    if momentum and "momentum" not in found:
+        return {**found, "momentum": torch.zeros_like(found["theta"])}
+    if not momentum and "momentum" in found:
+        if found["momentum"].any():
+            print("the checkpoint's outer momentum is dropped: averaging.outer_momentum is 0 now", flush=True)
+        return {"theta": found["theta"]}
+    return found
