@@ -97,6 +97,38 @@ def test_a_node_catching_up_takes_an_averaging_donor_after_a_few_heartbeats(node
     assert SETTLE_WAIT_S <= waited < SETTLE_WAIT_S + 5, waited
 
 
+def test_a_node_catching_up_turns_from_a_donor_that_failed_to_the_live_ones(node: Node) -> None:
+    """The churn test's joiner under load: its donor was killed in its inner phase while the live peers averaged
+    (their group waiting for the joiner). The dead donor's record, still in view, was the only peer "training", so
+    the joiner asked it alone again every heartbeat while its record lived; now it asks the others."""
+    me, dead, live = PEERS[0], PEERS[1], PEERS[2:4]
+    view = {dead: record(dead, 9)} | {p: record(p, 9).model_copy(update={"phase": "averaging"}) for p in live}
+    view[me] = record(me, 8)
+    fetched: list[list[str]] = []
+
+    async def fetch_state(donors: list[str], digest: str, max_round: int) -> bool:
+        fetched.append(donors)
+        if donors[0] == dead:
+            return False  # its daemon is gone
+        averager.round = max_round
+        return True
+
+    async def refresh() -> None:
+        pass
+
+    events: list[object] = []
+    averager = SimpleNamespace(me=me, round=8, outer=SimpleNamespace(digest=lambda: "mine", theta=None),
+                               fetch_state=fetch_state, lifecycle=SimpleNamespace(advance=events.append))  # fmt: skip
+    membership = SimpleNamespace(view=view, update=lambda **_: None, refresh=refresh)
+    node.status = SimpleNamespace(set=lambda *_: None)  # type: ignore[assignment]
+    started = time.monotonic()
+    trainer = SimpleNamespace(load_vector=lambda _: None)
+    asyncio.run(node._catch_up_until(averager, membership, trainer, started + 30.0))  # type: ignore[arg-type]
+    waited = time.monotonic() - started
+    assert fetched[0] == [dead] and fetched[-1][:2] == live and [str(e) for e in events] == ["synced"], fetched
+    assert waited < SETTLE_WAIT_S + 5, waited  # not until the dead donor's record expires (or the catch-up ends)
+
+
 def test_a_node_that_every_peer_is_behind_trains_on_after_a_few_heartbeats(
     node: Node, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -157,11 +157,16 @@ async def test_a_download_reads_one_snapshot_while_the_donor_moves_on() -> None:
     assert donors[0].outer.digest() != digest
 
 
-async def test_claims_beyond_our_state_size_round_or_digest_are_refused() -> None:
+async def test_claims_beyond_our_state_size_round_or_digest_are_refused(caplog) -> None:
     net, donors, joiner, chunks = await donors_and_joiner(1, round_=9)
     digest = donors[0].outer.digest()
-    assert not await joiner.fetch_state([donors[0].me], digest, max_round=5)  # one peer cannot drag us forward
-    assert not await joiner.fetch_state([donors[0].me], "0" * 24)  # another digest than the agreed one
+    with caplog.at_level(logging.INFO, logger="swarmtrain.averaging.statesync"):
+        assert not await joiner.fetch_state([donors[0].me], digest, max_round=5)  # one peer cannot drag us forward
+        assert not await joiner.fetch_state([donors[0].me], "0" * 24)  # another digest than the agreed one
+    # A download that ends with nothing to fetch says what the donors offered instead.
+    offered = {donors[0].me[-8:]: f"{digest[:8]} (round 9)"}
+    assert f"no donor offers state {digest[:8]} (round 5 at most); they offer {offered}" in caplog.text, caplog.text
+    assert f"no donor offers state 00000000; they offer {offered}" in caplog.text, caplog.text
     tamper(net, "donor0", lambda header, answer, body: ({**answer, "total": 1 << 40}, body))
     assert not await joiner.fetch_state([donors[0].me], digest)
     assert not chunks and joiner.round == 0 and not joiner.outer.theta.any()

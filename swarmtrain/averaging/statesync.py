@@ -341,7 +341,8 @@ async def download_state(
                 raise answer
             else:
                 offers.append(answer)
-        for group in plan(offers, want_digest, max_round):
+        groups = plan(offers, want_digest, max_round)
+        for group in groups:
             donors = [o.peer[-8:] for o in group]
             try:
                 data, served = await fetch_chunks(transport, header, group, chunk, deadline)
@@ -354,4 +355,8 @@ async def download_state(
                 group[0].digest[:8], group[0].round, group[0].total, {p[-8:]: n for p, n in served.items()},
             )  # fmt: skip
             return group[0].round, group[0].digest, tensors
+        if offers and not groups:  # they moved on, or were never at that state
+            offered = {o.peer[-8:]: f"{o.digest[:8]} (round {o.round})" for o in offers}
+            wanted = (want_digest or "any")[:8] + ("" if max_round is None else f" (round {max_round} at most)")
+            log.info("state download: no donor offers state %s; they offer %s", wanted, offered)
     return None

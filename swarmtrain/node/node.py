@@ -388,6 +388,10 @@ class Node:
         # each round, and a node that held out for 30 s missed every round in between (found under load).
         patient_until = min(deadline, time.monotonic() + max(SETTLE_WAIT_S, 4 * self.config.node.heartbeat_s))
         noted = time.monotonic()  # when the log last said what this node sees while it waits for a donor
+        # (donor, digest) of the downloads that failed in this catch-up: other donors first. A killed donor's record
+        # stays in view for node.record_ttl_s, and while the live peers averaged it was the one donor in its inner
+        # phase, tried again every heartbeat until its record went. A donor that has moved on since is fresh again.
+        failed: set[tuple[str, str]] = set()
         while True:
             ahead = [
                 r
@@ -424,7 +428,11 @@ class Node:
                 # that downloads it could not sit in on that round any more. Take the state of peers that train
                 # (or are done), at most one round past what most peers hold; the averaging ones' only after a
                 # few heartbeats without such a peer.
-                settled = [r for r in ahead if r.phase in ("training", "done") and r.round <= target + 1]
+                settled = [
+                    r for r in ahead
+                    if r.phase in ("training", "done") and r.round <= target + 1
+                    and (r.peer_id, r.digest) not in failed
+                ]  # fmt: skip
                 if settled:
                     (target, digest), _ = Counter((r.round, r.digest) for r in settled).most_common(1)[0]
                     ahead = settled
@@ -432,6 +440,7 @@ class Node:
                     ahead = []
             if ahead:
                 donors = [r.peer_id for r in ahead if (r.round, r.digest) == (target, digest)]
+                donors = sorted(donors, key=lambda p: (p, digest) in failed)  # stable: the untried first
                 self.status.set(
                     NodeState.CATCHING_UP,
                     f"from {donors[0][-8:]}{f' (or {len(donors) - 1} more)' if len(donors) > 1 else ''}: round "
@@ -442,6 +451,7 @@ class Node:
                     self._load_theta(trainer, averager)
                     averager.lifecycle.advance(Event.SYNCED)  # sits in on the round it caught up into
                     return
+                failed.update((p, digest) for p in donors)
             if time.monotonic() > deadline:
                 log.warning("could not catch up with the swarm; training on from my own state")
                 averager.lifecycle.advance(Event.NO_DONOR)
