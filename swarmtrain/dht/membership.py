@@ -21,6 +21,7 @@ import pydantic.v1 as pv1
 from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.dht.node import DHTNode
 from hivemind.dht.schema import BytesWithPublicKey, SchemaValidator
+from hivemind.p2p import PeerID
 from hivemind.utils.crypto import RSAPrivateKey
 from hivemind.utils.timed_storage import get_dht_time
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -37,6 +38,12 @@ BAN_REASON_CHARS = 120
 MAX_LOSS = 1e4  # a loss or bits per byte beyond this is a lie or a model gone to ruin
 MAX_COUNT = 2**53  # tokens or bytes a record may claim (exact in a float)
 RECORD_LOOKUP_S = 1.0  # the longest a leader looks up its members' records before it forms the group
+# hivemind's DHT drops a peer from its routing table after one request it did not answer in 3 s, and takes it back
+# only when a request from that peer comes in (``Membership.reintroduce``): a peer seen this long ago is asked back,
+# at most once every REINTRODUCE_S, and at most REINTRODUCE_AT_ONCE peers a lookup.
+REMEMBER_S = 120.0
+REINTRODUCE_S = 5.0
+REINTRODUCE_AT_ONCE = 16
 
 
 class BanEntry(BaseModel):
@@ -226,7 +233,13 @@ class Membership:
     """Publishes this node's record and keeps a live view of the swarm."""
 
     def __init__(
-        self, dht: DHTNode, signer: RSASignatureValidator, record: PeerRecord, ttl: float, auth: SwarmAuth = PUBLIC
+        self,
+        dht: DHTNode,
+        signer: RSASignatureValidator,
+        record: PeerRecord,
+        ttl: float,
+        auth: SwarmAuth = PUBLIC,
+        bootstrap: Collection[str] = (),
     ) -> None:
         self.dht = dht
         self.record = record
@@ -238,6 +251,10 @@ class Membership:
         self.view: dict[str, PeerRecord] = {record.peer_id: record}
         self.seen_at: dict[str, float] = {}  # monotonic time each peer's record was last found
         self.left: set[str] = set()  # peers that announced a graceful leave
+        self.bootstrap = [p for p in bootstrap if p != record.peer_id]  # node.join's peers
+        self.met: dict[str, float] = {}  # peer -> monotonic time its record was last found, for REMEMBER_S
+        self._asked: dict[str, float] = {}  # peer -> when it was last asked back into the routing table
+        self._pings: set[asyncio.Task] = set()
 
     def update(self, **changes: Any) -> None:
         self.record = self.record.model_copy(update=changes)
@@ -272,6 +289,7 @@ class Membership:
         announced its leave goes at once."""
         found = await swarm_records(self.dht, self.record.run_id, self.auth, self.refusals)
         now = time.monotonic()
+        self.reintroduce({r.peer_id for r in found}, now)
         view: dict[str, PeerRecord] = {self.record.peer_id: self.record}
         found_records: dict[str, PeerRecord] = {}
         for record in found:
@@ -293,6 +311,39 @@ class Membership:
         self.seen_at = {peer: t for peer, t in self.seen_at.items() if peer in view}
         self.view = view
         return view
+
+    def reintroduce(self, found: Collection[str], now: float) -> None:
+        """Ask the peers met lately that this lookup missed (and node.join's, when it found no one) back into the
+        DHT's routing table, in the background: a ping that is answered puts each into the other's table.
+
+        hivemind drops a peer from its routing table after one request the peer did not answer in time, and takes
+        it back only when a request from it comes in. A node frozen for a while (SIGSTOP) found its requests of
+        before timed out on waking and dropped every peer, as they had dropped it: no lookup of its found anyone
+        again, it trained alone for good, and the others ignored its records, thousands of rounds ahead (found by
+        tests/test_churn.py's frozen node under load). Heavy load can drop peers the same way.
+        """
+        me = self.record.peer_id
+        for peer in found:
+            if peer != me:
+                self.met[peer] = now
+        self.met = {p: t for p, t in self.met.items() if now - t < REMEMBER_S}
+        lost = [p for p in self.met if p not in found and p not in self.left]  # not the ones that said goodbye
+        if not set(found) - {me}:
+            lost += [p for p in self.bootstrap if p not in self.met]
+        due = [p for p in lost if now - self._asked.get(p, -float("inf")) >= REINTRODUCE_S]
+        for peer in due[:REINTRODUCE_AT_ONCE]:
+            self._asked[peer] = now
+            task = asyncio.ensure_future(self._ping(peer))
+            self._pings.add(task)
+            task.add_done_callback(self._pings.discard)
+        self._asked = {p: t for p, t in self._asked.items() if now - t < REINTRODUCE_S}
+
+    async def _ping(self, peer: str) -> None:
+        try:
+            if await self.dht.protocol.call_ping(PeerID.from_base58(peer)) is not None:
+                log.debug("%s is back in the DHT's routing table", peer[-8:])
+        except Exception as exc:  # a peer id that does not parse, a daemon going down: the next lookup tries again
+            log.debug("could not ask %s back into the DHT's routing table: %r", peer[-8:], exc)
 
     async def run(self, period: float) -> None:
         """Heartbeat: publish and refresh every ``period`` seconds until cancelled."""

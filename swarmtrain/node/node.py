@@ -228,7 +228,8 @@ class Node:
                 state=str(self.status.state), reason=self.status.reason[:240],
             )  # fmt: skip
             signer, _ = record_validators(node.run_id, private_key)
-            membership = Membership(dht, signer, record, ttl=node.record_ttl_s, auth=auth)
+            bootstrap = join_peers(config)  # asked back into the DHT's routing table when a lookup finds no one
+            membership = Membership(dht, signer, record, ttl=node.record_ttl_s, auth=auth, bootstrap=bootstrap)
             self._membership = membership
             if avg.weighting == "tokens" and averager.aggregator.cap > 0:  # a swarm that caps weights: by records too
                 averager.matchmaker.published_tokens = membership.published_tokens
