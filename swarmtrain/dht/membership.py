@@ -39,8 +39,9 @@ MAX_LOSS = 1e4  # a loss or bits per byte beyond this is a lie or a model gone t
 MAX_COUNT = 2**53  # tokens or bytes a record may claim (exact in a float)
 RECORD_LOOKUP_S = 1.0  # the longest a leader looks up its members' records before it forms the group
 # hivemind's DHT drops a peer from its routing table after one request it did not answer in 3 s, and takes it back
-# only when a request from that peer comes in (``Membership.reintroduce``): a peer seen this long ago is asked back,
-# at most once every REINTRODUCE_S, and at most REINTRODUCE_AT_ONCE peers a lookup.
+# only when a request from that peer comes in (``Membership.reintroduce``): a peer whose record a lookup found in
+# the last REMEMBER_S and the next one missed is asked back, at most once every REINTRODUCE_S and at most
+# REINTRODUCE_AT_ONCE peers a lookup.
 REMEMBER_S = 120.0
 REINTRODUCE_S = 5.0
 REINTRODUCE_AT_ONCE = 16
@@ -317,8 +318,8 @@ class Membership:
         DHT's routing table, in the background: a ping that is answered puts each into the other's table.
 
         hivemind drops a peer from its routing table after one request the peer did not answer in time, and takes
-        it back only when a request from it comes in. A node frozen for a while (SIGSTOP) found its requests of
-        before timed out on waking and dropped every peer, as they had dropped it: no lookup of its found anyone
+        it back only when a request from it comes in. A node frozen for a while (SIGSTOP) saw the requests it had in
+        flight time out as it woke and dropped every peer, as they had dropped it: no lookup of its found anyone
         again, it trained alone for good, and the others ignored its records, thousands of rounds ahead (found by
         tests/test_churn.py's frozen node under load). Heavy load can drop peers the same way.
         """
