@@ -172,7 +172,9 @@ def test_a_gossip_round_with_a_member_killed_mid_update_ends_identical_inside_it
     """6 nodes in gossip groups of 3, each from its own init, so rounds mix theta_g first; one member is killed
     after its first part of round 2's update exchange. Its group's survivors end that round with one digest, every
     group of every round does, and the swarm of 5 trains on."""
-    names = start_gossip_swarm(swarm, rounds=5, extra={"n5": ["averaging.fail_at=round=2,part=1"]})
+    parts = ["averaging.part_numel=1024"]  # shards of several parts, as in the kill -9 test of a group of 4 above
+    extra = {f"n{i}": parts for i in range(5)} | {"n5": [*parts, "averaging.fail_at=round=2,part=1"]}
+    names = start_gossip_swarm(swarm, rounds=5, extra=extra)
     swarm.wait(names[:5], timeout=300)
     assert swarm.procs["n5"].wait(timeout=10) == -9
     rows = [r for name in names[:5] for r in swarm.rounds(name)]
