@@ -98,6 +98,6 @@ async def test_a_lookup_that_finds_no_one_asks_the_join_peers_back(tmp_path: Pat
     await asyncio.sleep(0.1)
     assert pinged == [join]
     membership.reintroduce({me, join}, time.monotonic() + REINTRODUCE_S)  # found: nothing to ask
-    membership.reintroduce(set(), time.monotonic() + REINTRODUCE_S)  # missed now: met, and asked again
+    membership.reintroduce(set(), time.monotonic() + REINTRODUCE_S)  # no one found again: asked again
     await asyncio.sleep(0.1)
     assert pinged == [join, join]

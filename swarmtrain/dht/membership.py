@@ -250,10 +250,11 @@ class Membership:
         self.key = f"{record.run_id}_peers"
         self.subkey = record_subkey(record.peer_id, signer)
         self.view: dict[str, PeerRecord] = {record.peer_id: record}
-        self.seen_at: dict[str, float] = {}  # monotonic time each peer's record was last found
+        # Monotonic time each peer's record was last found (kept REMEMBER_S, for ``reintroduce``; a peer that
+        # announced its leave is dropped at once).
+        self.seen_at: dict[str, float] = {}
         self.left: set[str] = set()  # peers that announced a graceful leave
         self.bootstrap = [p for p in bootstrap if p != record.peer_id]  # node.join's peers
-        self.met: dict[str, float] = {}  # peer -> monotonic time its record was last found, for REMEMBER_S
         self._asked: dict[str, float] = {}  # peer -> when it was last asked back into the routing table
         self._pings: set[asyncio.Task] = set()
 
@@ -290,7 +291,6 @@ class Membership:
         announced its leave goes at once."""
         found = await swarm_records(self.dht, self.record.run_id, self.auth, self.refusals)
         now = time.monotonic()
-        self.reintroduce({r.peer_id for r in found}, now)
         view: dict[str, PeerRecord] = {self.record.peer_id: self.record}
         found_records: dict[str, PeerRecord] = {}
         for record in found:
@@ -309,8 +309,9 @@ class Membership:
         for peer, record in self.view.items():
             if peer not in view and now - self.seen_at.get(peer, -float("inf")) < self.ttl:
                 view[peer] = record
-        self.seen_at = {peer: t for peer, t in self.seen_at.items() if peer in view}
+        self.seen_at = {peer: t for peer, t in self.seen_at.items() if now - t < REMEMBER_S}
         self.view = view
+        self.reintroduce({r.peer_id for r in found}, now)
         return view
 
     def reintroduce(self, found: Collection[str], now: float) -> None:
@@ -323,21 +324,15 @@ class Membership:
         again, it trained alone for good, and the others ignored its records, thousands of rounds ahead (found by
         tests/test_churn.py's frozen node under load). Heavy load can drop peers the same way.
         """
-        me = self.record.peer_id
-        for peer in found:
-            if peer != me:
-                self.met[peer] = now
-        self.met = {p: t for p, t in self.met.items() if now - t < REMEMBER_S}
-        lost = [p for p in self.met if p not in found and p not in self.left]  # not the ones that said goodbye
-        if not set(found) - {me}:
-            lost += [p for p in self.bootstrap if p not in self.met]
-        due = [p for p in lost if now - self._asked.get(p, -float("inf")) >= REINTRODUCE_S]
-        for peer in due[:REINTRODUCE_AT_ONCE]:
+        lost = [p for p in self.seen_at if p not in found]
+        if not set(found) - {self.record.peer_id}:
+            lost += [p for p in self.bootstrap if p not in self.seen_at]
+        self._asked = {p: t for p, t in self._asked.items() if now - t < REINTRODUCE_S}
+        for peer in [p for p in lost if p not in self._asked][:REINTRODUCE_AT_ONCE]:
             self._asked[peer] = now
             task = asyncio.ensure_future(self._ping(peer))
             self._pings.add(task)
             task.add_done_callback(self._pings.discard)
-        self._asked = {p: t for p, t in self._asked.items() if now - t < REINTRODUCE_S}
 
     async def _ping(self, peer: str) -> None:
         try:
