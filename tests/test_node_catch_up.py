@@ -1,4 +1,5 @@
-"""When a node decides it is behind the swarm and catches up (``Node._sync_on_start``), tested without processes."""
+"""When a node decides it is behind the swarm, or off its line, and catches up (``Node._sync_on_start``,
+``Node._catch_up_until``, ``Node._off_swarm``), tested without processes."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import pytest
 
 from swarmtrain.averaging import PROTOCOL_VERSION, leader_candidates
 from swarmtrain.averaging.round import Phase
-from swarmtrain.dht.membership import PeerRecord
+from swarmtrain.dht.membership import PeerRecord, off_swarm, swarm_round
 from swarmtrain.node.node import SETTLE_WAIT_S, Node
 from tests.conftest import tiny_config
 
@@ -74,7 +75,7 @@ def test_a_node_catching_up_takes_an_averaging_donor_after_a_few_heartbeats(node
     view = {p: record(p, 9).model_copy(update={"phase": "averaging"}) for p in PEERS[1:3]} | {me: record(me, 8)}
     fetched: list[tuple[list[str], int]] = []
 
-    async def fetch_state(donors: list[str], digest: str, max_round: int) -> bool:
+    async def fetch_state(donors: list[str], digest: str, max_round: int, rewind: bool = False) -> bool:
         fetched.append((donors, max_round))
         averager.round = max_round
         return True
@@ -106,7 +107,7 @@ def test_a_node_catching_up_turns_from_a_donor_that_failed_to_the_live_ones(node
     view[me] = record(me, 8)
     fetched: list[list[str]] = []
 
-    async def fetch_state(donors: list[str], digest: str, max_round: int) -> bool:
+    async def fetch_state(donors: list[str], digest: str, max_round: int, rewind: bool = False) -> bool:
         fetched.append(donors)
         if donors[0] == dead:
             return False  # its daemon is gone
@@ -189,3 +190,99 @@ def test_a_node_that_catches_up_with_the_swarms_final_state_finishes_without_ano
     assert finished == [6]
     final = [json.loads(line) for line in node.metrics_path.read_text().splitlines()][-1]
     assert final["kind"] == "final" and final["round"] == 6
+
+
+def test_the_swarms_round_is_the_median_of_the_peers_in_step_and_a_node_two_rounds_from_it_is_off_its_line() -> None:
+    """A swarm split for longer than a catch-up: each part trained on, and two rounds apart they never meet again
+    (a leader takes joins for its round and the next only). The smaller part is off the swarm's line; of two parts
+    alike in size, the one behind."""
+    me, a, b, c, d = PEERS[:5]
+
+    def view(rounds: dict[str, int], catching_up: tuple[str, ...] = ()) -> dict[str, PeerRecord]:
+        return {
+            p: record(p, r).model_copy(update={"state": "catching_up" if p in catching_up else "training"})
+            for p, r in rounds.items()
+        }
+
+    # One node ahead of two (the frozen node that trained alone): it is off, they are not.
+    assert swarm_round(view({a: 10, b: 10}), me, 40) == 10 and off_swarm(view({a: 10, b: 10}), me, 40)
+    assert not off_swarm(view({a: 10, me: 40}), b, 10)  # b's view: the node ahead is one of three
+    # Two ahead of three, and two behind three: the two are off either way, the three are not.
+    for far in (40, 2):
+        assert off_swarm(view({a: far, b: 10, c: 10, d: 10}), me, far)
+        assert not off_swarm(view({a: far, me: far, c: 10, d: 10}), b, 10)
+    # Two and two: the pair behind goes to the pair ahead, which stays.
+    assert off_swarm(view({a: 10, b: 40, c: 40}), me, 10) and not off_swarm(view({a: 10, me: 10, c: 40}), b, 40)
+    # One round apart is a round in progress, not a split; peers catching up say nothing of the swarm's round.
+    assert not off_swarm(view({a: 11, b: 11}), me, 10) and not off_swarm(view({a: 9, b: 9}), me, 10)
+    assert not off_swarm(view({a: 40, b: 40}, catching_up=(a, b)), me, 10)
+    # One peer far off cannot move a swarm of three in step.
+    assert not off_swarm(view({a: 10, b: 10, c: 10_000}), me, 10) and not off_swarm(view({a: 10, b: 0}), me, 10)
+
+
+def catch_up_state(node: Node, me: str, my_round: int, view: dict[str, PeerRecord]) -> tuple[list, list, Any]:
+    """Run ``me``'s catch-up at ``my_round`` seeing ``view``: the downloads it asked for (donors, max round,
+    rewind), the events, and the averager."""
+    fetched: list[tuple[list[str], int, bool]] = []
+    events: list[object] = []
+
+    async def fetch_state(donors: list[str], digest: str, max_round: int, rewind: bool = False) -> bool:
+        fetched.append((donors, max_round, rewind))
+        averager.round = max_round if rewind else max(averager.round, max_round)
+        return True
+
+    async def refresh() -> None:
+        pass
+
+    averager = SimpleNamespace(me=me, round=my_round, outer=SimpleNamespace(digest=lambda: "mine", theta=None),
+                               fetch_state=fetch_state, lifecycle=SimpleNamespace(advance=events.append))  # fmt: skip
+    membership = SimpleNamespace(view=view | {me: record(me, my_round)}, update=lambda **_: None, refresh=refresh)
+    node.status = SimpleNamespace(set=lambda *_: None)  # type: ignore[assignment]
+    trainer = SimpleNamespace(load_vector=lambda _: None)
+    asyncio.run(node._catch_up_until(averager, membership, trainer, time.monotonic() + 30.0))  # type: ignore[arg-type]
+    return fetched, events, averager
+
+
+def test_a_node_off_the_swarms_line_takes_the_swarms_state_from_behind_or_ahead(node: Node) -> None:
+    """Before, a node ahead of the swarm found no donor (it only looked at peers at its round or later) and trained
+    on alone; a node in a part behind took its own part's peers at its round for the swarm and stayed in step with
+    them."""
+    me = PEERS[0]
+    # Ahead of three others, with one peer of my own part beside me: the donors are the three, my round goes back.
+    mate = {PEERS[4]: record(PEERS[4], 40).model_copy(update={"digest": "mine"})}
+    view = {p: record(p, 10) for p in PEERS[1:4]} | mate
+    fetched, events, averager = catch_up_state(node, me, 40, view)
+    assert fetched == [(PEERS[1:4], 10, True)] and averager.round == 10 and [str(e) for e in events] == ["synced"]
+    # Behind a part ahead as large as mine (two and two): the donors are the part ahead, not my mate at my round.
+    view = {PEERS[1]: record(PEERS[1], 10).model_copy(update={"digest": "mine"})} | {
+        p: record(p, 40) for p in PEERS[2:4]
+    }
+    fetched, events, averager = catch_up_state(node, me, 10, view)
+    assert fetched == [(PEERS[2:4], 40, True)] and averager.round == 40 and [str(e) for e in events] == ["synced"]
+
+
+def test_a_node_goes_off_to_the_swarms_state_only_once_the_gap_has_lasted_past_the_records_of_the_dead(
+    tmp_path: Path, text_file: Path
+) -> None:
+    """Peers that died together leave records behind for a while (``node.record_ttl_s`` in the DHT, as long again in
+    the view): a gap that lasts no longer than that is not a split."""
+    node = Node(tiny_config(tmp_path, text_file, **{"node.heartbeat_s": 0.05, "node.record_ttl_s": 0.2}))
+    me = PEERS[0]
+    lifecycle = SimpleNamespace(phase=Phase.IN_STEP)
+    averager = SimpleNamespace(me=me, round=40, lifecycle=lifecycle)
+    membership = SimpleNamespace(view={p: record(p, 10) for p in PEERS[1:3]} | {me: record(me, 40)})
+    started = time.monotonic()
+    assert not node._off_swarm(membership, averager)  # type: ignore[arg-type]
+    while not node._off_swarm(membership, averager):  # type: ignore[arg-type]
+        assert time.monotonic() - started < 5, "never went off to the swarm's state"
+        time.sleep(0.02)
+    assert time.monotonic() - started >= 2 * (0.2 + 0.05)
+    # A gap that closes starts the count again; a node catching up or sitting in is never sent off again.
+    assert not node._off_swarm(membership, averager)  # type: ignore[arg-type]
+    averager.round = 11
+    assert not node._off_swarm(membership, averager)  # type: ignore[arg-type]
+    averager.round, lifecycle.phase = 40, Phase.CATCH_UP
+    time.sleep(0.6)
+    assert not node._off_swarm(membership, averager)  # type: ignore[arg-type]
+    lifecycle.phase = Phase.SOLO
+    assert not node._off_swarm(membership, averager)  # type: ignore[arg-type]

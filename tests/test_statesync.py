@@ -12,6 +12,7 @@ import torch
 from hivemind.p2p import P2P
 
 from swarmtrain.averaging import Averager
+from swarmtrain.averaging.round import Stale
 from swarmtrain.averaging.statesync import INFLIGHT, MIN_RATE, RATE_SLACK, Deadline, state_size_bounds
 from swarmtrain.compression import get_codec
 from swarmtrain.net import MemoryNetwork, P2PTransport, Rejected
@@ -76,6 +77,22 @@ async def test_chunks_come_from_every_donor_and_assemble_the_agreed_state() -> N
     assert same_state(joiner, donors[0]) and joiner.outer.digest() == digest and joiner.round == 7
     assert set(chunks) == {d.me for d in donors} and min(chunks.values()) >= 2, chunks
     assert sum(chunks.values()) == 10  # each chunk fetched once
+
+
+async def test_a_node_off_the_swarms_line_goes_back_to_the_donors_round_only_when_told_to() -> None:
+    """A node far ahead of the swarm (a split that healed) takes the swarm's state and its lower round, and drops
+    what belonged to its own rounds: the update kept for a later round, the groups of rounds it will reach again.
+    A plain catch-up never moves the round back."""
+    net, donors, joiner, _ = await donors_and_joiner(2, round_=7)
+    digest = donors[0].outer.digest()
+    joiner.round = 40
+    assert await joiner.fetch_state([d.me for d in donors], digest, max_round=7)
+    assert same_state(joiner, donors[0]) and joiner.round == 40
+    joiner.lifecycle.stale = Stale(torch.ones(NUMEL), 39)
+    joiner.matchmaker._lobby(40)
+    assert await joiner.fetch_state([d.me for d in donors], digest, max_round=7, rewind=True)
+    assert same_state(joiner, donors[0]) and joiner.round == 7
+    assert joiner.lifecycle.stale is None and joiner.matchmaker.lobbies == {}
 
 
 async def test_without_an_outer_momentum_a_joiner_downloads_theta_g_alone() -> None:

@@ -278,13 +278,20 @@ class Averager:
     # ---- state transfer -----------------------------------------------------------------------------------
 
     async def fetch_state(
-        self, peers: list[str], want_digest: str | None, max_round: int | None = None, timeout: float = 60.0
+        self,
+        peers: list[str],
+        want_digest: str | None,
+        max_round: int | None = None,
+        timeout: float = 60.0,
+        rewind: bool = False,
     ) -> bool:
         """Download theta_g and the outer state in chunks from the peers that serve ``want_digest`` (any if None).
 
         The state is checked chunk by chunk against its donors' manifest, then whole against our own names,
         shapes and dtypes and against the digest; a peer claiming a round beyond ``max_round`` is skipped, so
-        one peer cannot drag our round number forward. See ``statesync``.
+        one peer cannot drag our round number forward. See ``statesync``. With ``rewind`` the round becomes the
+        donors' even where it is lower than ours: this node was off the swarm's line (``Event.OFF_SWARM``), and
+        what it kept of its own rounds goes (the update waiting for a later round, the groups it formed or joined).
         """
         donors = [p for p in dict.fromkeys(peers) if p != self.me]
         found = await download_state(
@@ -295,7 +302,10 @@ class Averager:
             return False
         round_, _, tensors = found
         self.outer.load_state_tensors(tensors)
-        self.round = max(self.round, round_)
+        if rewind and round_ < self.round:
+            self.lifecycle.stale = None  # measured from a state the swarm never held
+            self.matchmaker.lobbies.clear()  # a lobby of a round I will reach again must not answer as formed
+        self.round = round_ if rewind else max(self.round, round_)
         return True
 
     def _fault_hook(self, round_: int) -> Callable[[int], None] | None:

@@ -5,10 +5,10 @@ A node is in one ``Phase`` between its rounds; ``Lifecycle.advance`` is the one 
 
       start --> SOLO --APPLIED_ALONE, FOUND_IN_STEP, NO_DONOR--> SOLO
                 SOLO --CONFIRMED, RESYNCED-----------------------> IN_STEP
-                SOLO --NO_GROUP, UNCONFIRMED, FAILED-------------> CATCH_UP
+                SOLO --NO_GROUP, UNCONFIRMED, FAILED, OFF_SWARM--> CATCH_UP
                 SOLO --SYNCED (a joiner's sync on start)---------> OBSERVE
              IN_STEP --CONFIRMED, RESYNCED-----------------------> IN_STEP
-             IN_STEP --NO_GROUP, UNCONFIRMED, FAILED-------------> CATCH_UP
+             IN_STEP --NO_GROUP, UNCONFIRMED, FAILED, OFF_SWARM--> CATCH_UP
             CATCH_UP --SYNCED--------------------------------------> OBSERVE
             CATCH_UP --FOUND_IN_STEP-------------------------------> SOLO or IN_STEP, whichever it was (``solo``)
             CATCH_UP --NO_DONOR------------------------------------> SOLO
@@ -76,6 +76,9 @@ class Event(StrEnum):
     """Catch-up: peers hold its round and state (no one is ahead): nothing to download."""
     NO_DONOR = "no_donor"
     """Catch-up: no peer to download from before the deadline: it trains on alone."""
+    OFF_SWARM = "off_swarm"
+    """Between rounds: its round has been more than one from the swarm's for a while (``membership.off_swarm``):
+    it holds another state than the swarm (a split that healed) and takes the swarm's, even from a lower round."""
     LEAVE = "leave"
     """It stops taking rounds because it was asked to leave."""
     FINISH = "finish"
@@ -96,6 +99,8 @@ TRANSITIONS: dict[tuple[Phase, Event], Phase | None] = {
     (Phase.SOLO, Event.SYNCED): Phase.OBSERVE,  # a joiner's sync on start
     (Phase.SOLO, Event.FOUND_IN_STEP): Phase.SOLO,
     (Phase.SOLO, Event.NO_DONOR): Phase.SOLO,
+    (Phase.SOLO, Event.OFF_SWARM): Phase.CATCH_UP,
+    (Phase.IN_STEP, Event.OFF_SWARM): Phase.CATCH_UP,
     **{(Phase.IN_STEP, e): p for e, p in _ROUND_ENDS.items() if e is not Event.APPLIED_ALONE},
     **{(Phase.OBSERVE, e): p for e, p in _ROUND_ENDS.items()},
     # A round in CATCH_UP (only a caller that runs rounds without catching up first): one that put it in step

@@ -230,6 +230,26 @@ def plausible(
     return kept
 
 
+def swarm_round(view: Mapping[str, PeerRecord], me: str, my_round: int) -> int:
+    """The round the swarm holds as this node sees it: the median of the rounds of the peers in step (not
+    ``NOT_IN_STEP``) in ``view``, ``my_round`` included, the upper one of an even count, as ``plausible`` takes it.
+
+    A node more than one round from it is off the swarm's line (``off_swarm``): two parts of a swarm that were cut
+    apart for longer than a catch-up each trained on, and a gap of two rounds or more never closes by itself (a
+    leader takes joins for its round and the next only, and the part behind ignores the records of the part
+    ahead). The smaller part goes to the larger one's state; of two parts alike in size, the one behind goes to the
+    one ahead. One peer cannot move the median alone, except in a swarm of two, where either peer's state was
+    already the other's to take (see ``plausible``)."""
+    rounds = sorted([my_round, *(r.round for p, r in view.items() if p != me and r.state not in NOT_IN_STEP)])
+    return rounds[len(rounds) // 2]
+
+
+def off_swarm(view: Mapping[str, PeerRecord], me: str, my_round: int) -> bool:
+    """Whether ``my_round`` is more than one round from ``swarm_round``: this node holds another state than the
+    swarm, and no round with it will bring them together."""
+    return abs(my_round - swarm_round(view, me, my_round)) > 1
+
+
 class Membership:
     """Publishes this node's record and keeps a live view of the swarm."""
 

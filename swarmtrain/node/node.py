@@ -43,7 +43,7 @@ from swarmtrain.compression import get_codec
 from swarmtrain.config import Config, write_resolved
 from swarmtrain.data import load_corpus, load_parts
 from swarmtrain.dht import Membership, PeerRecord, ban_table, load_identity_key, record_validators
-from swarmtrain.dht.membership import MAX_COUNT, MAX_LOSS, NOT_IN_STEP
+from swarmtrain.dht.membership import MAX_COUNT, MAX_LOSS, NOT_IN_STEP, off_swarm, swarm_round
 from swarmtrain.errors import CheckpointError, SwarmtrainError
 from swarmtrain.net import P2PTransport, Transport, load_auth, serve_hello, verify_swarm
 from swarmtrain.net.reachability import FIX, REACH_WAIT_S, ask_dialback, dialable, is_loopback, reach, serve_dialback
@@ -151,6 +151,7 @@ class Node:
         self.metrics = NodeMetrics()
         self.status.listeners.append(self.metrics.on_state)
         self._membership: Membership | None = None
+        self._off_since: float | None = None  # when this node last found itself off the swarm's line (``_off_swarm``)
 
     def request_leave(self) -> float:
         """Leave gracefully: cut the inner steps short, contribute them to the current round, finish that round,
@@ -367,11 +368,34 @@ class Node:
                 log.warning("could not reach %s in %.0f s (they may lead or join groups I cannot reach); training "
                             "anyway", missed, wait_s)  # fmt: skip
 
-    async def _catch_up(self, averager: Averager, membership: Membership, trainer: InnerLoop, wait_s: float) -> None:
-        """Download theta_g from a peer that is at our round or later (a joiner, or a node left out of a round).
+    def _off_swarm(self, membership: Membership, averager: Averager) -> bool:
+        """Whether this node, between two rounds in step or solo, has been off the swarm's line (``off_swarm``: more
+        than one round from what the peers in step hold) for long enough to go to the swarm's state. Long enough: the
+        records of peers that died meanwhile are gone from the view (``node.record_ttl_s`` in the DHT, as long again
+        in the view), so the rounds of the dead do not count."""
+        if averager.lifecycle.phase not in (Phase.SOLO, Phase.IN_STEP) or not off_swarm(
+            membership.view, averager.me, averager.round
+        ):
+            self._off_since = None
+            return False
+        now, node = time.monotonic(), self.config.node
+        if self._off_since is None:
+            self._off_since = now
+        if now - self._off_since < 2 * (node.record_ttl_s + node.heartbeat_s):
+            return False
+        log.warning(
+            "round %d is more than one round from the swarm's (%d): taking the swarm's state",
+            averager.round, swarm_round(membership.view, averager.me, averager.round),
+        )  # fmt: skip
+        self._off_since = None
+        return True
 
-        Peers publish the digest of their theta_g with their round; the state is taken from the most advanced
-        peer whose bytes hash to the digest it serves.
+    async def _catch_up(self, averager: Averager, membership: Membership, trainer: InnerLoop, wait_s: float) -> None:
+        """Download theta_g from a peer that is at our round or later (a joiner, or a node left out of a round), or
+        from the peers around the swarm's round where ours is more than one from it (``off_swarm``), even behind.
+
+        Peers publish the digest of their theta_g with their round; the state is the one most of those peers hold,
+        taken from peers whose bytes hash to the digest they serve.
         """
         averager.matchmaker.catching_up = True
         try:
@@ -394,12 +418,17 @@ class Node:
         # phase, tried again every heartbeat until its record went. A donor that has moved on since is fresh again.
         failed: set[tuple[str, str]] = set()
         while True:
+            mine = (averager.round, averager.outer.digest())
+            # The donors: the peers at my round or later; where my round is more than one from the swarm's (a split
+            # that healed: ``off_swarm``), those around the swarm's round instead, before or after mine.
+            swarm = swarm_round(membership.view, averager.me, mine[0])
+            off = off_swarm(membership.view, averager.me, mine[0])
             ahead = [
                 r
                 for p, r in membership.view.items()
-                if p != averager.me and r.round >= averager.round and r.digest and r.phase != "syncing"
-            ]
-            mine = (averager.round, averager.outer.digest())
+                if p != averager.me and r.digest and r.phase != "syncing"
+                and (abs(r.round - swarm) <= 1 if off else r.round >= mine[0])
+            ]  # fmt: skip
             if not ahead and any(p != averager.me and (r.round, r.digest) == mine for p, r in membership.view.items()):
                 # No one is ahead, and peers that are catching up too hold my state (we were cut off together):
                 # there is nothing to fetch; train on with them.
@@ -442,12 +471,18 @@ class Node:
             if ahead:
                 donors = [r.peer_id for r in ahead if (r.round, r.digest) == (target, digest)]
                 donors = sorted(donors, key=lambda p: (p, digest) in failed)  # stable: the untried first
+                gap = f"{target - mine[0]} rounds behind" if target >= mine[0] else f"{mine[0] - target} rounds ahead"
                 self.status.set(
                     NodeState.CATCHING_UP,
                     f"from {donors[0][-8:]}{f' (or {len(donors) - 1} more)' if len(donors) > 1 else ''}: round "
-                    f"{averager.round} -> {target}, {target - averager.round} rounds behind",
+                    f"{mine[0]} -> {target}, {gap}",
                 )
-                if await averager.fetch_state(donors, digest, max_round=target):
+                if await averager.fetch_state(donors, digest, max_round=target, rewind=off):
+                    if averager.round < mine[0]:
+                        log.warning(
+                            "went back from round %d to the swarm's round %d: my state was not the swarm's (a split "
+                            "that healed); the rounds since are dropped", mine[0], averager.round,
+                        )  # fmt: skip
                     log.info("caught up with the swarm at round %d (digest %s)", averager.round, digest[:8])
                     self._load_theta(trainer, averager)
                     averager.lifecycle.advance(Event.SYNCED)  # sits in on the round it caught up into
@@ -534,6 +569,9 @@ class Node:
         while node.rounds == 0 or averager.round < node.rounds:
             if pending is None and (self.leaving or time_up()):
                 break
+            if self._off_swarm(membership, averager):
+                await drop_pending()  # steps from a state the swarm does not hold
+                averager.lifecycle.advance(Event.OFF_SWARM)
             if averager.lifecycle.phase is Phase.CATCH_UP:
                 await self._catch_up(averager, membership, trainer, wait_s=max(30.0, 4 * last_inner))
                 if node.rounds and averager.round >= node.rounds:
