@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import random
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -14,7 +15,7 @@ import pytest
 
 from swarmtrain.averaging import PROTOCOL_VERSION, leader_candidates
 from swarmtrain.averaging.round import Phase
-from swarmtrain.dht.membership import PeerRecord, off_swarm, swarm_round
+from swarmtrain.dht.membership import PeerRecord, off_swarm, plausible, swarm_round
 from swarmtrain.node.node import SETTLE_WAIT_S, Node
 from tests.conftest import tiny_config
 
@@ -286,3 +287,32 @@ def test_a_node_goes_off_to_the_swarms_state_only_once_the_gap_has_lasted_past_t
     assert not node._off_swarm(membership, averager)  # type: ignore[arg-type]
     lifecycle.phase = Phase.SOLO
     assert not node._off_swarm(membership, averager)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("seed", range(200))
+def test_of_two_parts_of_a_swarm_exactly_one_goes_to_the_others_state(seed: int) -> None:
+    """Seeded: a swarm in two parts far apart in rounds (each part's members at its round or the next, mid-round),
+    with peers catching up at any round beside them. Each node looks at the records as a node does (``plausible``
+    from its own round, then ``off_swarm``): every member of the smaller part is off the swarm's line and no member
+    of the larger one is; of two parts alike in size, the one behind is. Never both parts, never neither."""
+    rng = random.Random(seed)
+    sizes = [rng.randint(1, 5), rng.randint(1, 5)]
+    bases = [rng.randint(1000, 2000)]
+    bases.append(bases[0] + rng.choice([-1, 1]) * rng.randint(3, 1000))
+    records: dict[str, PeerRecord] = {}
+    part: dict[str, int] = {}
+    for i, (size, base) in enumerate(zip(sizes, bases, strict=True)):
+        for j in range(size):
+            peer = f"part{i}-{j}"
+            records[peer], part[peer] = record(peer, base + rng.randint(0, 1)), i
+    for j in range(rng.randint(0, 2)):
+        peer = f"joiner-{j}"
+        records[peer] = record(peer, rng.randint(0, 3000)).model_copy(update={"state": "catching_up"})
+    if sizes[0] != sizes[1]:
+        goes = 0 if sizes[0] < sizes[1] else 1
+    else:
+        goes = 0 if bases[0] < bases[1] else 1
+    for peer, i in part.items():
+        others = {p: r for p, r in records.items() if p != peer}
+        seen = plausible(others, records[peer].round, lambda *_: None)
+        assert off_swarm(seen, peer, records[peer].round) == (i == goes), (peer, sizes, bases)
