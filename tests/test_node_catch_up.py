@@ -217,6 +217,13 @@ def test_the_swarms_round_is_the_median_of_the_peers_in_step_and_a_node_two_roun
     # One round apart is a round in progress, not a split; peers catching up say nothing of the swarm's round.
     assert not off_swarm(view({a: 11, b: 11}), me, 10) and not off_swarm(view({a: 9, b: 9}), me, 10)
     assert not off_swarm(view({a: 40, b: 40}, catching_up=(a, b)), me, 10)
+    # Records that lag many rounds but show states I began those rounds from are on my line, not a split: rounds
+    # can be shorter than a heartbeat, and a node that wakes from a freeze sees the view it had before. Another
+    # state at such a round is another line.
+    lagging = view({a: 7, b: 8})
+    assert off_swarm(lagging, me, 12) and not off_swarm(lagging, me, 12, held={7: "00000007", 8: "00000008"})
+    assert off_swarm(lagging, me, 12, held={7: "elsewhere", 8: "00000008"}) is False  # one of two: the median
+    assert off_swarm(view({a: 7, b: 7, c: 7, d: 8}), me, 12, held={7: "elsewhere", 8: "00000008"})
     # One peer far off cannot move a swarm of three in step.
     assert not off_swarm(view({a: 10, b: 10, c: 10_000}), me, 10) and not off_swarm(view({a: 10, b: 0}), me, 10)
 
@@ -282,6 +289,11 @@ def test_a_node_goes_off_to_the_swarms_state_only_once_the_gap_has_lasted_past_t
     assert not node._off_swarm(membership, averager)  # type: ignore[arg-type]
     averager.round = 11
     assert not node._off_swarm(membership, averager)  # type: ignore[arg-type]
+    # The states it began its rounds from: a round it goes back to forgets the rounds past it (another line's).
+    node._hold(39, "a")
+    node._hold(40, "b")
+    node._hold(10, "c")
+    assert node._held == {10: "c"}
     averager.round, lifecycle.phase = 40, Phase.CATCH_UP
     time.sleep(0.6)
     assert not node._off_swarm(membership, averager)  # type: ignore[arg-type]

@@ -230,9 +230,13 @@ def plausible(
     return kept
 
 
-def swarm_round(view: Mapping[str, PeerRecord], me: str, my_round: int) -> int:
+def swarm_round(view: Mapping[str, PeerRecord], me: str, my_round: int, held: Mapping[int, str] | None = None) -> int:
     """The round the swarm holds as this node sees it: the median of the rounds of the peers in step (not
     ``NOT_IN_STEP``) in ``view``, ``my_round`` included, the upper one of an even count, as ``plausible`` takes it.
+    A peer whose record shows a state this node held (``held``: round -> digest of the state it began that round
+    from) is on this node's line and counts at ``my_round``, however far its record lags: records are looked up
+    every heartbeat, and rounds can be shorter than that (a node of the churn tests woke from a freeze with a view
+    three rounds old, and took itself for off the swarm's line).
 
     A node more than one round from it is off the swarm's line (``off_swarm``): two parts of a swarm that were cut
     apart for longer than a catch-up each trained on, and a gap of two rounds or more never closes by itself (a
@@ -240,14 +244,19 @@ def swarm_round(view: Mapping[str, PeerRecord], me: str, my_round: int) -> int:
     ahead). The smaller part goes to the larger one's state; of two parts alike in size, the one behind goes to the
     one ahead. One peer cannot move the median alone, except in a swarm of two, where either peer's state was
     already the other's to take (see ``plausible``)."""
-    rounds = sorted([my_round, *(r.round for p, r in view.items() if p != me and r.state not in NOT_IN_STEP)])
-    return rounds[len(rounds) // 2]
+    held = held or {}
+    rounds = [my_round]
+    for peer, record in view.items():
+        if peer != me and record.state not in NOT_IN_STEP:
+            mine = bool(record.digest) and held.get(record.round) == record.digest
+            rounds.append(my_round if mine else record.round)
+    return sorted(rounds)[len(rounds) // 2]
 
 
-def off_swarm(view: Mapping[str, PeerRecord], me: str, my_round: int) -> bool:
+def off_swarm(view: Mapping[str, PeerRecord], me: str, my_round: int, held: Mapping[int, str] | None = None) -> bool:
     """Whether ``my_round`` is more than one round from ``swarm_round``: this node holds another state than the
     swarm, and no round with it will bring them together."""
-    return abs(my_round - swarm_round(view, me, my_round)) > 1
+    return abs(my_round - swarm_round(view, me, my_round, held)) > 1
 
 
 class Membership:

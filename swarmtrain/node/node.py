@@ -60,6 +60,7 @@ log = logging.getLogger(__name__)
 P2P_ATTEMPTS = 3  # starts of the p2p daemon when none of the peers in node.join answered
 SETTLE_WAIT_S = 3.0  # how long a node catching up holds out for a donor that trains (``_catch_up_until``)
 CATCH_UP_NOTE_S = 5.0  # how often a node still catching up logs what it sees (a joiner once waited 30 s unexplained)
+HELD_ROUNDS = 1024  # rounds a node remembers the state it held in (a record lags a heartbeat or two behind its peer)
 
 
 class NodeError(SwarmtrainError):
@@ -152,6 +153,9 @@ class Node:
         self.status.listeners.append(self.metrics.on_state)
         self._membership: Membership | None = None
         self._off_since: float | None = None  # when this node last found itself off the swarm's line (``_off_swarm``)
+        # The digest of the state I began each recent round from (``swarm_round``: peers whose records lag are on my
+        # line), the last HELD_ROUNDS rounds.
+        self._held: dict[int, str] = {}
 
     def request_leave(self) -> float:
         """Leave gracefully: cut the inner steps short, contribute them to the current round, finish that round,
@@ -368,13 +372,19 @@ class Node:
                 log.warning("could not reach %s in %.0f s (they may lead or join groups I cannot reach); training "
                             "anyway", missed, wait_s)  # fmt: skip
 
+    def _hold(self, round_: int, digest: str) -> None:
+        """Remember that I began round ``round_`` from the state ``digest`` (and forget the rounds past it: after a
+        catch-up that went back, those were another line's)."""
+        self._held = {r: d for r, d in self._held.items() if round_ - HELD_ROUNDS < r < round_}
+        self._held[round_] = digest
+
     def _off_swarm(self, membership: Membership, averager: Averager) -> bool:
         """Whether this node, between two rounds in step or solo, has been off the swarm's line (``off_swarm``: more
         than one round from what the peers in step hold) for long enough to go to the swarm's state. Long enough: the
         records of peers that died meanwhile are gone from the view (``node.record_ttl_s`` in the DHT, as long again
         in the view), so the rounds of the dead do not count."""
         if averager.lifecycle.phase not in (Phase.SOLO, Phase.IN_STEP) or not off_swarm(
-            membership.view, averager.me, averager.round
+            membership.view, averager.me, averager.round, self._held
         ):
             self._off_since = None
             return False
@@ -385,7 +395,7 @@ class Node:
             return False
         log.warning(
             "round %d is more than one round from the swarm's (%d): taking the swarm's state",
-            averager.round, swarm_round(membership.view, averager.me, averager.round),
+            averager.round, swarm_round(membership.view, averager.me, averager.round, self._held),
         )  # fmt: skip
         self._off_since = None
         return True
@@ -421,8 +431,8 @@ class Node:
             mine = (averager.round, averager.outer.digest())
             # The donors: the peers at my round or later; where my round is more than one from the swarm's (a split
             # that healed: ``off_swarm``), those around the swarm's round instead, before or after mine.
-            swarm = swarm_round(membership.view, averager.me, mine[0])
-            off = off_swarm(membership.view, averager.me, mine[0])
+            swarm = swarm_round(membership.view, averager.me, mine[0], self._held)
+            off = off_swarm(membership.view, averager.me, mine[0], self._held)
             ahead = [
                 r
                 for p, r in membership.view.items()
@@ -578,7 +588,10 @@ class Node:
                     break  # caught up with the swarm's final state: a round more would wait for a group in vain
             if membership.record.round != averager.round:  # caught up, or a round failed: no round just done
                 membership.update(loss=None, bpb=None, bytes_sent=0)
-            membership.update(round=averager.round, phase="training")
+            # The state I begin this round from (after a catch-up, no longer the last round's): what peers that look
+            # for a donor, or for my line (``swarm_round``), read beside my round.
+            self._hold(averager.round, averager.outer.digest())
+            membership.update(round=averager.round, phase="training", digest=averager.outer.digest())
             observing = averager.lifecycle.phase is Phase.OBSERVE
             if observing:
                 # Just synced while the others train this round: join its group at once as an observer
