@@ -19,33 +19,20 @@ from pathlib import Path
 import pytest
 
 from .swarm import slowdown
-from .test_scenario_run import _rows, _run
+from .test_scenario_run import SWARM, _rows, _run
 
 pytestmark = [
     pytest.mark.slow,
     pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("tc"), reason="a partition needs root and tc (iproute2)"),
 ]
 
-SPEC = """\
-[swarm]
-nodes = {nodes}
-wall_time_s = 145
-inner_steps = 3
-model = "tiny"
-data = "{data}"
-timeout_s = 400
-shaper = "kernel"
-
-[config]
-train.batch_size = 4
-train.threads = 1
-train.eval_batches = 1
-node.heartbeat_s = 0.5
-node.record_ttl_s = 3
+# test_scenario_run.py's swarm (the tiny model, quick rounds), for a fixed time, on the kernel's links (a partition).
+SPEC = (
+    SWARM.format(rounds=0).replace(
+        "nodes = 3\nrounds = 0\n", 'nodes = {nodes}\nwall_time_s = 145\nshaper = "kernel"\n'
+    )
+    + """\
 node.test_step_delay_s = 0.2
-averaging.min_gather_s = 3
-averaging.min_deadline_s = 8
-averaging.verify = 0
 
 [nodes.node0]
 config.node.test_step_delay_s = 1.0
@@ -63,6 +50,7 @@ at_s = 95
 action = "heal"
 nodes = {cut}
 """
+)
 
 
 @dataclass
