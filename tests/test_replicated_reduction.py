@@ -19,7 +19,7 @@ from swarmtrain.averaging import Group, leader_candidates
 from swarmtrain.averaging.allreduce import AllReduce
 from swarmtrain.averaging.signing import RoundSigner
 from swarmtrain.compression import get_codec
-from swarmtrain.net import MemoryNetwork, Rejected
+from swarmtrain.net import MemoryNetwork, PeerUnreachable, Rejected
 from tests.test_byzantine import BOUND, NUMEL, identities, make_group, play_round
 
 
@@ -112,6 +112,30 @@ async def test_checks_of_honest_reducers_pass_with_lossy_codecs_and_robust_aggre
         checks = [c for o in outcomes for c in o.checked]
         assert len(checks) == len(averagers) and {c[2] for c in checks} == {"ok"}, (codec, checks)
         assert all(all(o.decisions) for o in outcomes), (codec, [o.decisions for o in outcomes])
+
+
+async def test_a_check_whose_stream_breaks_asks_again_and_withholds_no_honest_shard() -> None:
+    """Found in tests/test_swarm.py's four nodes with one core busy: a live reducer's answer to a check was cut short
+    (IncompleteReadError), and that one broken stream withheld an honest shard from the whole group. Now the first
+    check of every member breaks, and every check still passes on the next try."""
+    averagers = make_group("mean", "scale", verify=1.0, members=4, hostile=0)
+    net = averagers[0].transport.network
+    broken: set[str] = set()
+
+    def break_first_check(src: str, dst: str, method: str, header: dict) -> None:
+        if method == "evidence" and src not in broken:
+            broken.add(src)
+            raise PeerUnreachable(f"evidence to {dst}: IncompleteReadError (stream reset)")
+
+    net.before_call = break_first_check
+    for a in averagers:
+        await a.start()
+    deltas = [torch.randn(NUMEL, generator=torch.Generator().manual_seed(i)) for i in range(len(averagers))]
+    outcomes = await play_round(averagers, deltas, [1.0] * len(averagers))
+    assert broken == {a.me for a in averagers}
+    assert len({o.digest for o in outcomes}) == 1
+    assert {c[2] for o in outcomes for c in o.checked} == {"ok"}, [o.checked for o in outcomes]
+    assert all(all(o.decisions) for o in outcomes), [o.decisions for o in outcomes]
 
 
 def test_the_codec_down_tolerance_is_not_a_loophole() -> None:
