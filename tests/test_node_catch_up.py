@@ -222,7 +222,8 @@ def test_the_swarms_round_is_the_median_of_the_peers_in_step_and_a_node_two_roun
     # state at such a round is another line.
     lagging = view({a: 7, b: 8})
     assert off_swarm(lagging, me, 12) and not off_swarm(lagging, me, 12, held={7: "00000007", 8: "00000008"})
-    assert off_swarm(lagging, me, 12, held={7: "elsewhere", 8: "00000008"}) is False  # one of two: the median
+    # One record of my line (round 8) and one of another state (round 7): with mine, two of three at my round.
+    assert not off_swarm(lagging, me, 12, held={7: "elsewhere", 8: "00000008"})
     assert off_swarm(view({a: 7, b: 7, c: 7, d: 8}), me, 12, held={7: "elsewhere", 8: "00000008"})
     # One peer far off cannot move a swarm of three in step.
     assert not off_swarm(view({a: 10, b: 10, c: 10_000}), me, 10) and not off_swarm(view({a: 10, b: 0}), me, 10)
