@@ -37,11 +37,10 @@ import torch
 
 from swarmtrain.averaging.exchange import (
     MAX_ABS_VALUE,
-    RETRY_PAUSE,
-    SMALL_ATTEMPTS,
     AllReduceResult,
     GroupExchange,
     Unsettled,
+    call_retrying,
     wait_or_dead,
 )
 from swarmtrain.averaging.group import Group
@@ -460,26 +459,18 @@ class AllReduce(GroupExchange):
         reducer = self.group.members[j]
         start, end = self._parts(self.results[j].buffer.numel())[p]
         bound = self.group.size * (self.codec_up.payload_size(end - start) + MAX_SIG_BYTES + MAX_KEY_BYTES + 64) + 64
-        loop = asyncio.get_running_loop()
-        deadline = 0.5 * (self.transfer_deadline + self.report_deadline)
         # A stream that broke is asked again while time is left, as a report is: under load a live reducer's answer
-        # was once cut short on loopback (IncompleteReadError), and the one check withheld an honest shard from the
-        # whole group (tests/test_swarm.py's four nodes, with one core busy).
-        for attempt in range(SMALL_ATTEMPTS):
-            try:
-                _, body = await self.transport.call(
-                    reducer, "evidence", {**self.header, "shard": j, "part": p},
-                    timeout=max(deadline - loop.time(), 0.01), max_reply=bound,
-                )  # fmt: skip
-                break
-            except (PeerUnreachable, RpcTimeout, RemoteError) as exc:
-                left = deadline - loop.time()
-                if isinstance(exc, PeerUnreachable) and attempt + 1 < SMALL_ATTEMPTS and left > 0.01:
-                    await asyncio.sleep(min(RETRY_PAUSE, left / SMALL_ATTEMPTS))
-                    continue
-                log.info("could not check part %d of shard %d (%s): I withhold the shard", p, j, exc)
-                self.checked.append((j, p, "unanswered"))
-                return False
+        # was once cut short on loopback, and the one check withheld an honest shard from the whole group
+        # (tests/test_swarm.py's four nodes, with one core busy).
+        try:
+            _, body = await call_retrying(
+                self.transport, reducer, "evidence", {**self.header, "shard": j, "part": p},
+                0.5 * (self.transfer_deadline + self.report_deadline), max_reply=bound,
+            )  # fmt: skip
+        except (PeerUnreachable, RpcTimeout, RemoteError) as exc:
+            log.info("could not check part %d of shard %d (%s): I withhold the shard", p, j, exc)
+            self.checked.append((j, p, "unanswered"))
+            return False
         problem = self._check_evidence(j, p, start, end, body)
         self.checked.append((j, p, "ok" if problem is None else "wrong"))
         if problem is None:

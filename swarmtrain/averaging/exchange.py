@@ -27,9 +27,28 @@ PING_INTERVAL = 0.5
 MAX_ABS_VALUE = 1e4
 PING_TIMEOUT = 1.5
 PING_FAILURES = 2  # failed pings in a row that declare a peer gone for the round
-SMALL_ATTEMPTS = 3  # tries of a report or digest over streams that break (a live peer waits for it otherwise)
+SMALL_ATTEMPTS = 3  # tries of a report, digest or reducer check over streams that break (``call_retrying``)
 RETRY_PAUSE = 0.2
 GONE_SEND_S = 3.0  # how long a report or digest to a member counted as gone may take (it is not waited on)
+
+
+async def call_retrying(
+    transport: Transport, peer: str, method: str, header: dict[str, Any], deadline: float, **kwargs: Any
+) -> tuple[dict[str, Any], bytes]:
+    """``transport.call`` with a stream that broke (``PeerUnreachable``) asked again while time is left before
+    ``deadline`` (loop time), ``SMALL_ATTEMPTS`` tries at most, sooner as the deadline nears: under load a live
+    peer's stream can break once (an IncompleteReadError). The last failure, or any other, is raised."""
+    loop = asyncio.get_running_loop()
+    tries = 1
+    while True:
+        try:
+            return await transport.call(peer, method, header, timeout=max(deadline - loop.time(), 0.01), **kwargs)
+        except PeerUnreachable:
+            left = deadline - loop.time()
+            if tries == SMALL_ATTEMPTS or left <= 0.01:
+                raise
+            tries += 1
+            await asyncio.sleep(min(RETRY_PAUSE, left / SMALL_ATTEMPTS))
 
 
 class Liveness:
@@ -503,24 +522,15 @@ class GroupExchange(ABC):
         hold). A peer that still cannot be reached is pinged, not counted gone: a broken link from me is no
         proof that its own report or relay will not reach me, and a survivor I stopped waiting for would leave
         its relay out of my view and in everyone else's."""
-        loop = asyncio.get_running_loop()
-        for attempt in range(SMALL_ATTEMPTS):
-            try:
-                await self.transport.call(peer, method, header, timeout=max(deadline - loop.time(), 0.01))
-                return
-            except PeerUnreachable as exc:
-                left = deadline - loop.time()
-                if attempt + 1 == SMALL_ATTEMPTS or left <= 0.01:
-                    log.info("%s; pinging %s", exc, peer[-8:])
-                    self.liveness.watch(peer)
-                    return
-                await asyncio.sleep(min(RETRY_PAUSE, left / SMALL_ATTEMPTS))
-            except RpcTimeout as exc:
-                self.liveness.mark_dead(peer, str(exc))
-                return
-            except RemoteError as exc:
-                self._refused(peer, exc)
-                return
+        try:
+            await call_retrying(self.transport, peer, method, header, deadline)
+        except PeerUnreachable as exc:
+            log.info("%s; pinging %s", exc, peer[-8:])
+            self.liveness.watch(peer)
+        except RpcTimeout as exc:
+            self.liveness.mark_dead(peer, str(exc))
+        except RemoteError as exc:
+            self._refused(peer, exc)
 
     def _refused(self, peer: str, exc: RemoteError) -> None:
         log.warning("%s", exc)
