@@ -5,6 +5,7 @@ from __future__ import annotations
 import ctypes
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -12,7 +13,14 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import pytest
+
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h
+# Network namespaces and the kernel's tbf (scenario links, partitions) need root and iproute2's tc. CI runs as root
+# and installs iproute2 where it is missing (.ci/run); elsewhere such tests skip, saying why.
+NEEDS_ROOT_AND_TC = pytest.mark.skipif(
+    os.geteuid() != 0 or not shutil.which("tc"), reason="network namespaces and tc need root and iproute2"
+)
 
 TINY = [
     "model.depth=1",

@@ -10,21 +10,16 @@ joins for its round and the next only.
 from __future__ import annotations
 
 import json
-import os
-import shutil
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
-from .swarm import slowdown
+from .swarm import NEEDS_ROOT_AND_TC, slowdown
 from .test_scenario_run import SWARM, _rows, _run
 
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("tc"), reason="a partition needs root and tc (iproute2)"),
-]
+pytestmark = [pytest.mark.slow, NEEDS_ROOT_AND_TC]
 
 # test_scenario_run.py's swarm (the tiny model, quick rounds), for a fixed time, on the kernel's links (a partition).
 SPEC = (

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import os
 import re
-import shutil
 import socket
 import subprocess
 import sys
@@ -13,13 +11,11 @@ import threading
 import time
 from pathlib import Path
 
-import pytest
-
 from swarmtrain.scenarios.links import Network
 
-pytestmark = pytest.mark.skipif(
-    os.geteuid() != 0 or not shutil.which("tc"), reason="link shaping needs root and tc (iproute2)"
-)
+from .swarm import NEEDS_ROOT_AND_TC
+
+pytestmark = NEEDS_ROOT_AND_TC
 
 SECONDS, WARMUP = 2.0, 0.5  # count 2 s of a saturated link, after half a second of slow start and bucket burst
 BUFFER = 4 << 20  # socket buffers of 4 MiB: a sender or receiver descheduled for a second (a loaded machine) does
