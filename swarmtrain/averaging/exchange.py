@@ -478,13 +478,8 @@ class GroupExchange(ABC):
         try:
             await self.transport.call_stream(peer, method, header, frames, count=count, timeout=max(timeout, 0.01))
             return True
-        except PeerUnreachable as exc:
-            log.info("%s; pinging %s", exc, peer[-8:])
-            self.liveness.watch(peer)
-        except RpcTimeout as exc:
-            self.liveness.mark_dead(peer, str(exc))
-        except RemoteError as exc:
-            self._refused(peer, exc)
+        except (PeerUnreachable, RpcTimeout, RemoteError) as exc:
+            self._not_sent(peer, exc)
         return False
 
     async def _exchange(
@@ -524,13 +519,19 @@ class GroupExchange(ABC):
         its relay out of my view and in everyone else's."""
         try:
             await call_retrying(self.transport, peer, method, header, deadline)
-        except PeerUnreachable as exc:
+        except (PeerUnreachable, RpcTimeout, RemoteError) as exc:
+            self._not_sent(peer, exc)
+
+    def _not_sent(self, peer: str, exc: PeerUnreachable | RpcTimeout | RemoteError) -> None:
+        """A send to ``peer`` that did not go through: a broken stream has it pinged (counted gone only if the
+        pings fail too), a timeout counts it gone, a refusal is logged (``_refused``)."""
+        if isinstance(exc, RpcTimeout):
+            self.liveness.mark_dead(peer, str(exc))
+        elif isinstance(exc, RemoteError):
+            self._refused(peer, exc)
+        else:
             log.info("%s; pinging %s", exc, peer[-8:])
             self.liveness.watch(peer)
-        except RpcTimeout as exc:
-            self.liveness.mark_dead(peer, str(exc))
-        except RemoteError as exc:
-            self._refused(peer, exc)
 
     def _refused(self, peer: str, exc: RemoteError) -> None:
         log.warning("%s", exc)
