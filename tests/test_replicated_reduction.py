@@ -17,6 +17,7 @@ import torch
 
 from swarmtrain.averaging import Group, leader_candidates
 from swarmtrain.averaging.allreduce import AllReduce
+from swarmtrain.averaging.bans import MUTE_BAN, MUTE_ROUNDS, MUTE_STRIKES, Bans
 from swarmtrain.averaging.signing import RoundSigner
 from swarmtrain.compression import get_codec
 from swarmtrain.net import MemoryNetwork, PeerUnreachable, Rejected
@@ -136,6 +137,99 @@ async def test_a_check_whose_stream_breaks_asks_again_and_withholds_no_honest_sh
     assert len({o.digest for o in outcomes}) == 1
     assert {c[2] for o in outcomes for c in o.checked} == {"ok"}, [o.checked for o in outcomes]
     assert all(all(o.decisions) for o in outcomes), [o.decisions for o in outcomes]
+
+
+async def test_a_reducer_that_never_shows_what_it_averaged_is_banned_and_the_group_moves_on_without_it() -> None:
+    """A mute reducer (an honest update and reduction, but every check of its shard held to the round's deadline and
+    refused) withholds its shard from the whole group in every round a member checks it: unbanned, it would hold its
+    share of the model still for as long as it stayed. With verify = 1 in a group of four, each honest member checks
+    one random other shard a round. The leader (the lowest peer id) first finds it mute in some round f and bans it
+    for MUTE_BAN rounds, and checks its shard in every round it is back: the rounds without it are the honest
+    members' alone, with every shard applied; at its MUTE_STRIKES-th unanswered check (round f + 6) it is banned
+    for averaging.ban_rounds."""
+    averagers = make_group("mean", "mute-reducer", verify=1.0, members=4, hostile=1)
+    honest, mute = averagers[:3], averagers[3]
+    leader = honest[0]
+    for a in averagers:
+        a.matchmaker.bans.rounds = 20
+        await a.start()
+    generator = torch.Generator().manual_seed(5)
+    first: dict[str, int] = {}  # honest member -> the round of its first unanswered check
+    sizes = []
+    for round_ in range(20):
+        deltas = [torch.randn(NUMEL, generator=generator) for _ in averagers]
+        peers = [a.me for a in averagers]
+        outcomes = await asyncio.gather(
+            *(
+                a.run_round(d, 1.0, leader_candidates(peers, a.me, 16, "test", a.round), set(peers),
+                            gather_timeout=1.0 if a is mute else 5.0)  # refused, it waits alone for no one
+                for a, d in zip(averagers, deltas, strict=True)
+            )
+        )  # fmt: skip
+        mine = outcomes[:3]
+        sizes.append(mine[0].group.size)
+        assert len({o.digest for o in mine}) == 1, mine
+        if mine[0].group.size == 3:
+            assert all(all(o.decisions) for o in mine) and outcomes[3].group.size == 1, outcomes
+            if round_ > first.get(leader.me, round_) + 2 * (MUTE_BAN + 1):
+                break
+            continue
+        silent = mine[0].group.index(mute.me)
+        checked = set()
+        for a, o in zip(honest, mine, strict=True):
+            hows = {j: how for j, _, how in o.checked}
+            assert all(how == ("unanswered" if j == silent else "ok") for j, how in hows.items()), o.checked
+            if a.me in first:
+                assert silent in hows, (round_, a.me, o.checked)  # a suspect is checked every round
+            elif silent in hows:
+                first[a.me] = round_
+            checked |= hows.keys()
+        assert mine[0].decisions == tuple(j != silent or silent not in checked for j in range(4)), mine[0]
+    f = first[leader.me]
+    assert sizes[f:] == [4, 3, 3, 4, 3, 3, 4, 3], (f, sizes)
+    strikes = ", ".join(str(f + k * (MUTE_BAN + 1)) for k in range(MUTE_STRIKES))
+    assert leader.matchmaker.bans.reason(mute.me, f + 7) == (
+        f"banned until round {f + 7 + 20}: left checks of its shard unanswered in rounds {strikes}"
+    )
+
+
+def test_a_reducer_left_unanswered_once_is_banned_for_a_short_while_and_for_long_only_when_it_recurs() -> None:
+    """One unanswered check (a live reducer slow once, a stream that broke three times) bans for MUTE_BAN rounds;
+    the MUTE_STRIKES-th within MUTE_ROUNDS rounds for averaging.ban_rounds. Strikes older than that are forgotten,
+    and a round counts once however many of its checks went unanswered."""
+    bans = Bans("me", rounds=10)
+    bans.strike({"slow", "me"}, 0)
+    bans.strike({"slow"}, 0)
+    once = f"banned until round {1 + MUTE_BAN}: left a check of its shard unanswered in round 0"
+    assert bans.reason("slow", 1) == once
+    assert bans.reason("slow", 1 + MUTE_BAN) is None and bans.reason("me", 1) is None
+    assert bans.suspects(MUTE_ROUNDS - 1) == {"slow"} and bans.suspects(MUTE_ROUNDS) == set()
+    bans.strike({"slow"}, MUTE_ROUNDS - 1)
+    bans.strike({"slow"}, MUTE_ROUNDS + 5)  # round 0 is out of the window: two strikes in it, not three
+    assert bans.reason("slow", MUTE_ROUNDS + 6).endswith(f"in round {MUTE_ROUNDS + 5}")
+    bans.strike({"slow"}, MUTE_ROUNDS + 6)
+    assert bans.reason("slow", MUTE_ROUNDS + 7) == (
+        f"banned until round {MUTE_ROUNDS + 17}: left checks of its shard unanswered in rounds "
+        f"{MUTE_ROUNDS - 1}, {MUTE_ROUNDS + 5}, {MUTE_ROUNDS + 6}"
+    )
+    assert bans.suspects(MUTE_ROUNDS + 7) == set()
+
+
+async def test_a_check_that_comes_after_the_reducers_round_is_refused_and_not_answered_with_nothing() -> None:
+    """A reducer lets go of the contributions it kept once its round is over. A checker that late (the reducer's
+    round ended without its report) is refused: evidence without contributions reads as a wrong reduction, and an
+    honest reducer was open to a ban for it."""
+    averagers = make_group("mean", "scale", verify=1.0, members=2, hostile=0)
+    for a in averagers:
+        await a.start()
+    deltas = [torch.randn(NUMEL, generator=torch.Generator().manual_seed(i)) for i in range(2)]
+    outcomes = await play_round(averagers, deltas, [1.0, 1.0])
+    assert [c[2] for o in outcomes for c in o.checked] == ["ok", "ok"]
+    reducer, checker = averagers
+    (exchange,) = [route.result() for route in reducer._routes.values()]
+    assert isinstance(exchange, AllReduce) and exchange.released and not exchange.kept
+    with pytest.raises(Rejected, match="no longer kept"):
+        exchange.on_evidence(checker.me, {"shard": exchange.index, "part": 0})
 
 
 def test_the_codec_down_tolerance_is_not_a_loophole() -> None:

@@ -27,7 +27,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Collection
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -110,6 +110,7 @@ class AllReduce(GroupExchange):
         verify: float = 0.0,
         rng: random.Random | None = None,
         alter: Callable[[torch.Tensor], None] | None = None,
+        suspects: Collection[str] = (),
     ) -> None:
         super().__init__(
             group, me, transport, header=header, deadline=deadline, on_part_sent=on_part_sent, tag=tag, signer=signer,
@@ -141,6 +142,8 @@ class AllReduce(GroupExchange):
         self.verify = verify if signer is not None else 0.0
         self.rng = rng or random.SystemRandom()
         self.kept: dict[tuple[int, int], list[bytes | memoryview]] = {}
+        self.suspects = suspects  # reducers that left my checks unanswered lately (``Bans.suspects``)
+        self.released = False  # my round ended and I let go of ``kept``
         self.alter = alter  # tests only (attack.kind = bad-reducer): changes my shard's average before I send it
 
     # ---- helpers ----------------------------------------------------------------------------------------
@@ -418,6 +421,7 @@ class AllReduce(GroupExchange):
             self.closed = True
             self.liveness.close()
             self.kept.clear()  # every member checks before its report, and my report is in: no one asks any more
+            self.released = True  # a check from now on is refused, not answered with nothing (``on_evidence``)
 
     # ---- replicated reduction ------------------------------------------------------------------------------
 
@@ -427,6 +431,10 @@ class AllReduce(GroupExchange):
         self._check_member(sender)
         if self.verify <= 0:
             raise Rejected("this member keeps no contributions to be checked (averaging.verify = 0)")
+        if self.released:
+            # A checker this late (my round ended without its report) would read evidence without contributions as a
+            # wrong reduction, and ban me for it.
+            raise Rejected("my round is over and what I averaged is no longer kept")
         part, box = header.get("part"), self.results[self.index]
         if header.get("shard") != self.index or not isinstance(part, int) or part not in box.masks:
             raise Rejected(f"no part {part!r} of shard {header.get('shard')!r} reduced here")
@@ -441,14 +449,17 @@ class AllReduce(GroupExchange):
         with the result I received: the reducer committed to that result before it could know it would be checked.
         Returns the shards I withhold from my report, so that no member applies them: one whose reducer did not
         show its contributions in time, and one whose contributions do not give its result (the reducer is then
-        banned, ``invalid``). In a group of g with h honest members, a reducer that alters all its parts is caught
-        in a round with probability 1 - (1 - verify / (g - 1)) ** h; one that alters a share a of them, about a
-        times that."""
+        banned, ``invalid``; one that leaves checks unanswered in a few rounds is banned too, ``Bans.strike``). In a
+        group of g with h honest members, a reducer that alters all its parts is caught in a round with probability
+        1 - (1 - verify / (g - 1)) ** h; one that alters a share a of them, about a times that."""
         if self.verify <= 0:
             return []
         shards = [j for j, box in enumerate(self.results) if j != self.index and box.complete.is_set() and box.masks]
         count = int(self.verify) + (self.rng.random() < self.verify % 1)
         picked = self.rng.sample(shards, min(count, len(shards)))
+        # Besides, the shards of reducers that left a check of mine unanswered lately, whenever they are back from the
+        # short ban (``Bans.strike``): one that never answers reaches the long ban in as many of its rounds with me.
+        picked += [j for j in shards if j not in picked and self.group.members[j] in self.suspects]
         outcomes = await asyncio.gather(
             *(self._check(j, self.rng.randrange(len(self.results[j].masks))) for j in picked)
         )

@@ -26,6 +26,10 @@ training literature:
   (well formed, the same bytes to every member, so the members' result hashes agree). Members that check a random
   part of another reducer's shard (``averaging.verify``, ``AllReduce._verify``) recompute it from the signed
   contributions and withhold the shard, so no member applies it, and ban the reducer.
+- ``mute-reducer``: an honest update and an honest reduction, but it never shows what it averaged to a member that
+  checks its shard (``averaging.verify``): it holds each check until the round's deadline and refuses it. Each
+  check withholds its shard from the whole group, so it would hold its share of the model still; members ban a
+  reducer that leaves their checks unanswered in 3 of 10 rounds (``bans.MUTE_STRIKES``).
 - ``outsider``: a node without a private swarm's key (none, or another) that does not stop when the swarm refuses
   it (``verify_swarm``): it reads the members' records, asks them for their settings, joins their groups, tries to
   catch up from them and publishes its own record. It gets nothing: every call is refused (``swarm-key``) and
@@ -45,7 +49,7 @@ from swarmtrain.compression.wire import pack_header
 
 KINDS = (
     "scale", "sign-flip", "nan", "random", "big-weight", "alie", "equivocate", "forge-records", "outsider",
-    "bad-reducer",
+    "bad-reducer", "mute-reducer",
 )  # fmt: skip
 BIG_WEIGHT = 1e6
 FORGED_AHEAD = 10
@@ -70,9 +74,9 @@ class Attack:
             return delta * self.scale, weight
         if self.kind == "sign-flip":
             return delta * -self.scale, weight
-        if self.kind in ("nan", "equivocate", "forge-records", "outsider", "bad-reducer"):
+        if self.kind in ("nan", "equivocate", "forge-records", "outsider", "bad-reducer", "mute-reducer"):
             # The payloads carry the NaNs (``wrap_codec``); the exchange equivocates; the node forges records or
-            # calls without the swarm's key; the reducer alters its shard (``alter``).
+            # calls without the swarm's key; the reducer alters its shard (``alter``) or answers no check.
             return delta, weight
         if self.kind == "random":
             noise = torch.randn(delta.shape, generator=self._noise)

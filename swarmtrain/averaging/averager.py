@@ -107,6 +107,7 @@ class Averager:
         self.attack = attack  # tests only (``attack.kind``): turns my honest update into a hostile one
         self.equivocate = getattr(attack, "kind", "") == "equivocate"  # tests only: tells members different things
         self.alter = getattr(attack, "alter", None) if getattr(attack, "kind", "") == "bad-reducer" else None
+        self.mute = getattr(attack, "kind", "") == "mute-reducer"  # tests only: never shows what it averaged
         # Signs my reports and digests and checks the others' (``signing``): a node always signs, with its identity
         # key; the in-process simulator and most unit tests run unsigned (peer ids there are not keys).
         self.signer = signer
@@ -242,7 +243,11 @@ class Averager:
 
     async def _on_evidence(self, sender: str, header: dict[str, Any], body: bytes) -> tuple[dict[str, Any], bytes]:
         """A group member checks a part of the shard I reduced (``AllReduce._verify``)."""
-        return {}, (await self._allreduce_for(header, sender)).on_evidence(sender, header)
+        allreduce = await self._allreduce_for(header, sender)
+        if self.mute:  # tests only: hold the checker until the round's deadline, then answer nothing
+            await asyncio.sleep(max(allreduce.deadline - asyncio.get_running_loop().time(), 0.0))
+            raise Rejected("a mute reducer shows nothing")
+        return {}, allreduce.on_evidence(sender, header)
 
     def _routed_stream(self, method: str) -> StreamHandler:
         async def handler(
@@ -449,6 +454,8 @@ class Averager:
         r.enter(Step.EXCHANGE)
         result = await self._run(update)
         self.matchmaker.bans.record({**update.invalid, **update.equivocators}, r.number)
+        self.matchmaker.bans.strike({update.group.members[j] for j, _, how in update.checked if how == "unanswered"},
+                                    r.number)  # fmt: skip
         r.phases.update(result.phases)
         self.outer.step(result.average)
         self._skew(r.number)
@@ -608,6 +615,7 @@ class Averager:
                 aggregator=self.aggregator if codec is None else None,  # theta_g mixes by the plain mean
                 signer=self.signer, equivocate=self.equivocate, verify=self.verify, rng=self.rng,
                 alter=self.alter if codec is None else None,
+                suspects=self.matchmaker.bans.suspects(group.round) if codec is None else (),
             )  # fmt: skip
         route = self._route(allreduce.route)
         if not route.done():

@@ -2,8 +2,15 @@
 
 What counts: a payload the exchange refused on its merits (wrong codec, shape or length, non-finite values or
 values out of bounds, a frame that does not match the round's schema), never a peer that was merely slow, dead
-or late. Every member of a group receives the same payloads from a sender (each reducer its own part, every
-member the whole all-gathered payload), so the honest members of a group ban the same peer in the same round.
+or late (but see below). Every member of a group receives the same payloads from a sender (each reducer its own
+part, every member the whole all-gathered payload), so the honest members of a group ban the same peer in the
+same round.
+
+One offence is banned in steps (``strike``): a reducer that leaves this node's check of its shard unanswered
+(``averaging.verify``: it sent its results, then did not show what it averaged in time). Each such check withholds
+its shard from the whole group, so a reducer that never answered would hold a share of the model still for as long
+as it stayed. Such a ban lasts ``MUTE_BAN`` rounds (a live reducer may have been slow once), and
+``averaging.ban_rounds`` where it is the ``MUTE_STRIKES``-th within ``MUTE_ROUNDS`` rounds.
 
 A ban acts in group formation: this node does not join a banned peer as its leader, does not expect it, and
 refuses its joins (code ``banned``, with the reason) while leading. It is this node's own decision, logged with
@@ -18,6 +25,9 @@ from dataclasses import dataclass
 log = logging.getLogger(__name__)
 
 MAX_BANS = 1024  # a node keeps at most this many bans (the newest): identities are cheap, memory is not
+MUTE_BAN = 2  # rounds a reducer is banned for a check of its shard it left unanswered
+MUTE_STRIKES = 3  # such rounds within MUTE_ROUNDS that ban it for averaging.ban_rounds
+MUTE_ROUNDS = 10
 
 
 @dataclass(frozen=True)
@@ -31,21 +41,43 @@ class Bans:
         self.me = me
         self.rounds = rounds  # 0: no bans
         self.bans: dict[str, Ban] = {}
+        self.strikes: dict[str, list[int]] = {}  # peer -> the recent rounds in which it left a check unanswered
 
-    def record(self, offenders: dict[str, str], round_: int) -> None:
-        """Ban each of ``offenders`` (peer -> reason) from round ``round_ + 1`` for ``rounds`` rounds."""
+    def record(self, offenders: dict[str, str], round_: int, rounds: int | None = None) -> None:
+        """Ban each of ``offenders`` (peer -> reason) from round ``round_ + 1`` for ``rounds`` rounds (by default
+        ``self.rounds``)."""
         if self.rounds <= 0:
             return
+        until = round_ + 1 + (self.rounds if rounds is None else rounds)
         for peer, reason in offenders.items():
             if peer == self.me:
                 continue
-            ban = Ban(round_ + 1 + self.rounds, reason[:200])
+            ban = Ban(until, reason[:200])
             if self.bans.get(peer) == ban:
                 continue  # the same offence, recorded again after a later phase of the same round
             self.bans[peer] = ban
-            log.warning("banned peer %s until round %d: %s", peer[-8:], round_ + 1 + self.rounds, reason[:200])
+            log.warning("banned peer %s until round %d: %s", peer[-8:], until, reason[:200])
         while len(self.bans) > MAX_BANS:
             del self.bans[next(iter(self.bans))]
+
+    def strike(self, peers: set[str], round_: int) -> None:
+        """Each of ``peers`` left a check of its shard unanswered in ``round_``: ban it for ``MUTE_BAN`` rounds,
+        or for ``self.rounds`` where that is its ``MUTE_STRIKES``-th such round of the last ``MUTE_ROUNDS``."""
+        for peer in peers - {self.me}:
+            rounds = [r for r in self.strikes.pop(peer, []) if round_ - MUTE_ROUNDS < r < round_] + [round_]
+            if len(rounds) < MUTE_STRIKES:
+                self.strikes[peer] = rounds
+                reason, length = f"left a check of its shard unanswered in round {round_}", min(MUTE_BAN, self.rounds)
+            else:
+                reason, length = f"left checks of its shard unanswered in rounds {', '.join(map(str, rounds))}", None
+            self.record({peer: reason}, round_, length)
+        while len(self.strikes) > MAX_BANS:
+            del self.strikes[next(iter(self.strikes))]
+
+    def suspects(self, round_: int) -> set[str]:
+        """The peers that left a check unanswered within the last ``MUTE_ROUNDS`` rounds before ``round_``, and are
+        not banned for long yet: this node checks their shards every round (``AllReduce._verify``)."""
+        return {peer for peer, rounds in self.strikes.items() if rounds[-1] > round_ - MUTE_ROUNDS}
 
     def reason(self, peer: str, round_: int) -> str | None:
         """Why ``peer`` is banned in ``round_``, or None if it is not."""
