@@ -143,10 +143,11 @@ async def test_a_reducer_that_never_shows_what_it_averaged_is_banned_and_the_gro
     """A mute reducer (an honest update and reduction, but every check of its shard held to the round's deadline and
     refused) withholds its shard from the whole group in every round a member checks it: unbanned, it would hold its
     share of the model still for as long as it stayed. With verify = 1 in a group of four, each honest member checks
-    one random other shard a round. The leader (the lowest peer id) first finds it mute in some round f and bans it
-    for MUTE_BAN rounds, and checks its shard in every round it is back: the rounds without it are the honest
-    members' alone, with every shard applied; at its MUTE_STRIKES-th unanswered check (round f + 6) it is banned
-    for averaging.ban_rounds."""
+    one random other shard a round, and from the round after any report withheld a shard, that shard too, every
+    round. The leader (the lowest peer id) first finds it mute in some round f, at most one round after the first
+    report that withheld it, bans it for MUTE_BAN rounds and checks its shard in every round it is back: the rounds
+    without it are the honest members' alone, with every shard applied; at its MUTE_STRIKES-th unanswered check it
+    is banned for averaging.ban_rounds."""
     averagers = make_group("mean", "mute-reducer", verify=1.0, members=4, hostile=1)
     honest, mute = averagers[:3], averagers[3]
     leader = honest[0]
@@ -155,6 +156,7 @@ async def test_a_reducer_that_never_shows_what_it_averaged_is_banned_and_the_gro
         await a.start()
     generator = torch.Generator().manual_seed(5)
     first: dict[str, int] = {}  # honest member -> the round of its first unanswered check
+    withheld = []  # the rounds in which some honest member's report withheld the mute shard
     sizes = []
     for round_ in range(20):
         deltas = [torch.randn(NUMEL, generator=generator) for _ in averagers]
@@ -171,7 +173,7 @@ async def test_a_reducer_that_never_shows_what_it_averaged_is_banned_and_the_gro
         assert len({o.digest for o in mine}) == 1, mine
         if mine[0].group.size == 3:
             assert all(all(o.decisions) for o in mine) and outcomes[3].group.size == 1, outcomes
-            if round_ > first.get(leader.me, round_) + 2 * (MUTE_BAN + 1):
+            if round_ > first.get(leader.me, round_) + (MUTE_STRIKES - 1) * (MUTE_BAN + 1):
                 break
             continue
         silent = mine[0].group.index(mute.me)
@@ -179,23 +181,27 @@ async def test_a_reducer_that_never_shows_what_it_averaged_is_banned_and_the_gro
         for a, o in zip(honest, mine, strict=True):
             hows = {j: how for j, _, how in o.checked}
             assert all(how == ("unanswered" if j == silent else "ok") for j, how in hows.items()), o.checked
-            if a.me in first:
-                assert silent in hows, (round_, a.me, o.checked)  # a suspect is checked every round
-            elif silent in hows:
-                first[a.me] = round_
+            if withheld:  # a shard some report withheld is checked by every member from then on
+                assert silent in hows, (round_, withheld, a.me, o.checked)
+            if silent in hows:
+                first.setdefault(a.me, round_)
             checked |= hows.keys()
         assert mine[0].decisions == tuple(j != silent or silent not in checked for j in range(4)), mine[0]
+        if silent in checked:
+            withheld.append(round_)
     f = first[leader.me]
-    assert sizes[f:] == [4, 3, 3, 4, 3, 3, 4, 3], (f, sizes)
+    assert f <= withheld[0] + 1, (f, withheld)
+    last = f + (MUTE_STRIKES - 1) * (MUTE_BAN + 1)  # its MUTE_STRIKES-th round with the leader
+    assert sizes[f:] == ([4] + [3] * MUTE_BAN) * (MUTE_STRIKES - 1) + [4, 3], (f, sizes)
     strikes = ", ".join(str(f + k * (MUTE_BAN + 1)) for k in range(MUTE_STRIKES))
-    assert leader.matchmaker.bans.reason(mute.me, f + 7) == (
-        f"banned until round {f + 7 + 20}: left checks of its shard unanswered in rounds {strikes}"
+    assert leader.matchmaker.bans.reason(mute.me, last + 1) == (
+        f"banned until round {last + 1 + 20}: left checks of its shard unanswered in rounds {strikes}"
     )
 
 
 def test_a_reducer_left_unanswered_once_is_banned_for_a_short_while_and_for_long_only_when_it_recurs() -> None:
-    """One unanswered check (a live reducer slow once, a stream that broke three times) bans for MUTE_BAN rounds;
-    the MUTE_STRIKES-th within MUTE_ROUNDS rounds for averaging.ban_rounds. Strikes older than that are forgotten,
+    """One unanswered check (a live reducer slow once, a stream that broke three times) bans for MUTE_BAN rounds; the
+    second within MUTE_ROUNDS rounds (MUTE_STRIKES) for averaging.ban_rounds. Strikes older than that are forgotten,
     and a round counts once however many of its checks went unanswered."""
     bans = Bans("me", rounds=10)
     bans.strike({"slow", "me"}, 0)
@@ -204,15 +210,17 @@ def test_a_reducer_left_unanswered_once_is_banned_for_a_short_while_and_for_long
     assert bans.reason("slow", 1) == once
     assert bans.reason("slow", 1 + MUTE_BAN) is None and bans.reason("me", 1) is None
     assert bans.suspects(MUTE_ROUNDS - 1) == {"slow"} and bans.suspects(MUTE_ROUNDS) == set()
-    bans.strike({"slow"}, MUTE_ROUNDS - 1)
-    bans.strike({"slow"}, MUTE_ROUNDS + 5)  # round 0 is out of the window: two strikes in it, not three
-    assert bans.reason("slow", MUTE_ROUNDS + 6).endswith(f"in round {MUTE_ROUNDS + 5}")
-    bans.strike({"slow"}, MUTE_ROUNDS + 6)
-    assert bans.reason("slow", MUTE_ROUNDS + 7) == (
-        f"banned until round {MUTE_ROUNDS + 17}: left checks of its shard unanswered in rounds "
-        f"{MUTE_ROUNDS - 1}, {MUTE_ROUNDS + 5}, {MUTE_ROUNDS + 6}"
+    bans.strike({"slow"}, MUTE_ROUNDS)  # round 0 is out of the window: one strike in it, not two
+    assert bans.reason("slow", MUTE_ROUNDS + 1).endswith(f"in round {MUTE_ROUNDS}")
+    bans.strike({"slow"}, MUTE_ROUNDS + 3)
+    assert bans.reason("slow", MUTE_ROUNDS + 4) == (
+        f"banned until round {MUTE_ROUNDS + 14}: left checks of its shard unanswered in rounds "
+        f"{MUTE_ROUNDS}, {MUTE_ROUNDS + 3}"
     )
-    assert bans.suspects(MUTE_ROUNDS + 7) == set()
+    assert bans.suspects(MUTE_ROUNDS + 4) == set()
+    bans.dispute({"withheld", "me"}, 30)  # a member's report withheld its shard: checked, never banned for it
+    assert bans.suspects(31) == bans.suspects(30 + MUTE_ROUNDS - 1) == {"withheld"}
+    assert bans.suspects(30 + MUTE_ROUNDS) == set() and bans.reason("withheld", 31) is None
 
 
 async def test_a_check_that_comes_after_the_reducers_round_is_refused_and_not_answered_with_nothing() -> None:

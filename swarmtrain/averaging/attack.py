@@ -29,7 +29,7 @@ training literature:
 - ``mute-reducer``: an honest update and an honest reduction, but it never shows what it averaged to a member that
   checks its shard (``averaging.verify``): it holds each check until the round's deadline and refuses it. Each
   check withholds its shard from the whole group, so it would hold its share of the model still; members ban a
-  reducer that leaves their checks unanswered in 3 of 10 rounds (``bans.MUTE_STRIKES``).
+  reducer that leaves their checks unanswered (``bans.Bans.strike``).
 - ``outsider``: a node without a private swarm's key (none, or another) that does not stop when the swarm refuses
   it (``verify_swarm``): it reads the members' records, asks them for their settings, joins their groups, tries to
   catch up from them and publishes its own record. It gets nothing: every call is refused (``swarm-key``) and

@@ -454,8 +454,10 @@ class Averager:
         r.enter(Step.EXCHANGE)
         result = await self._run(update)
         self.matchmaker.bans.record({**update.invalid, **update.equivocators}, r.number)
-        self.matchmaker.bans.strike({update.group.members[j] for j, _, how in update.checked if how == "unanswered"},
-                                    r.number)  # fmt: skip
+        bans, members = self.matchmaker.bans, update.group.members
+        bans.strike({members[j] for j, _, how in update.checked if how == "unanswered"}, r.number)
+        held = [[report[j] is not None for report in update.view.values()] for j in range(len(members))]
+        bans.dispute({members[j] for j, slot in enumerate(held) if any(slot) and not all(slot)}, r.number)
         r.phases.update(result.phases)
         self.outer.step(result.average)
         self._skew(r.number)

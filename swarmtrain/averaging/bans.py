@@ -26,7 +26,7 @@ log = logging.getLogger(__name__)
 
 MAX_BANS = 1024  # a node keeps at most this many bans (the newest): identities are cheap, memory is not
 MUTE_BAN = 2  # rounds a reducer is banned for a check of its shard it left unanswered
-MUTE_STRIKES = 3  # such rounds within MUTE_ROUNDS that ban it for averaging.ban_rounds
+MUTE_STRIKES = 2  # such rounds within MUTE_ROUNDS that ban it for averaging.ban_rounds
 MUTE_ROUNDS = 10
 
 
@@ -42,6 +42,7 @@ class Bans:
         self.rounds = rounds  # 0: no bans
         self.bans: dict[str, Ban] = {}
         self.strikes: dict[str, list[int]] = {}  # peer -> the recent rounds in which it left a check unanswered
+        self.disputed: dict[str, int] = {}  # reducer -> the last round some member's report withheld its shard
 
     def record(self, offenders: dict[str, str], round_: int, rounds: int | None = None) -> None:
         """Ban each of ``offenders`` (peer -> reason) from round ``round_ + 1`` for ``rounds`` rounds (by default
@@ -74,10 +75,23 @@ class Bans:
         while len(self.strikes) > MAX_BANS:
             del self.strikes[next(iter(self.strikes))]
 
+    def dispute(self, reducers: set[str], round_: int) -> None:
+        """Some member of my group withheld the shard of each of ``reducers`` in ``round_`` while others held it (its
+        check failed, or the shard did not reach it). No ban (a hostile member may withhold anyone's shard), but I
+        check their shards myself from now on: a reducer mute to checks is banned by every member that checks it,
+        the leader included, instead of after the rounds in which each happened to pick it."""
+        for peer in reducers - {self.me}:
+            self.disputed.pop(peer, None)
+            self.disputed[peer] = round_
+        while len(self.disputed) > MAX_BANS:
+            del self.disputed[next(iter(self.disputed))]
+
     def suspects(self, round_: int) -> set[str]:
-        """The peers that left a check unanswered within the last ``MUTE_ROUNDS`` rounds before ``round_``, and are
-        not banned for long yet: this node checks their shards every round (``AllReduce._verify``)."""
-        return {peer for peer, rounds in self.strikes.items() if rounds[-1] > round_ - MUTE_ROUNDS}
+        """The peers that left a check of mine unanswered, or whose shard a member withheld (``dispute``), within the
+        last ``MUTE_ROUNDS`` rounds before ``round_``: this node checks their shards in every round they are in
+        (``AllReduce._verify``)."""
+        recent = {peer for peer, last in self.disputed.items() if last > round_ - MUTE_ROUNDS}
+        return recent | {peer for peer, rounds in self.strikes.items() if rounds[-1] > round_ - MUTE_ROUNDS}
 
     def reason(self, peer: str, round_: int) -> str | None:
         """Why ``peer`` is banned in ``round_``, or None if it is not."""
