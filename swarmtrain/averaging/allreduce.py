@@ -142,7 +142,7 @@ class AllReduce(GroupExchange):
         self.verify = verify if signer is not None else 0.0
         self.rng = rng or random.SystemRandom()
         self.kept: dict[tuple[int, int], list[bytes | memoryview]] = {}
-        self.suspects = suspects  # reducers that left my checks unanswered lately (``Bans.suspects``)
+        self.suspects = suspects  # reducers whose shard was withheld lately (``Bans.suspects``): checked every round
         self.released = False  # my round ended and I let go of ``kept``
         self.alter = alter  # tests only (attack.kind = bad-reducer): changes my shard's average before I send it
 
@@ -457,8 +457,9 @@ class AllReduce(GroupExchange):
         shards = [j for j, box in enumerate(self.results) if j != self.index and box.complete.is_set() and box.masks]
         count = int(self.verify) + (self.rng.random() < self.verify % 1)
         picked = self.rng.sample(shards, min(count, len(shards)))
-        # Besides, the shards of reducers that left a check of mine unanswered lately, whenever they are back from the
-        # short ban (``Bans.strike``): one that never answers reaches the long ban in as many of its rounds with me.
+        # Besides, the shards of reducers whose shard was withheld lately, by my check or another member's report
+        # (``Bans.suspects``): one that never answers is banned the round I first meet it, not when I happen to pick
+        # it, and again each time it is back from a short ban, until the long one (``Bans.strike``).
         picked += [j for j in shards if j not in picked and self.group.members[j] in self.suspects]
         outcomes = await asyncio.gather(
             *(self._check(j, self.rng.randrange(len(self.results[j].masks))) for j in picked)
