@@ -197,7 +197,7 @@ async def test_a_probe_is_answered_at_once_and_only_a_group_matching_the_senders
         lobby.settle(answered)
         member.matchmaker.heard = {other.me: (group.group_id, loop.time() - 10.0)}
         answer = await member.matchmaker._probe(leader.me, request, probed := set())
-        taken = None if answer is None else member.matchmaker._parse_group(0, answer)
+        taken = None if answer is None else member.matchmaker._parse_group(0, answer, request)
         assert taken == expected, f"took {taken} from a peer whose messages were for {group.group_id}"
     assert probed == {other.me}
 

@@ -111,12 +111,14 @@ class AllReduce(GroupExchange):
         rng: random.Random | None = None,
         alter: Callable[[torch.Tensor], None] | None = None,
         suspects: Collection[str] = (),
+        weights: tuple[float, ...] | None = None,
     ) -> None:
         super().__init__(
             group, me, transport, header=header, deadline=deadline, on_part_sent=on_part_sent, tag=tag, signer=signer,
             equivocate=equivocate,
         )  # fmt: skip
         self.delta = delta
+        self.weights = group.weights if weights is None else weights  # a mix's: only the states that count
         self.bounds = group.shard_bounds(delta.numel())
         self.codec_up, self.codec_down = codec_up, codec_down
         self.part_numel = max(1, part_numel)
@@ -306,7 +308,7 @@ class AllReduce(GroupExchange):
             log.error("own %s rejected: %s", method, exc)
 
     async def _scatter_to(self, j: int) -> None:
-        if self.group.weights[self.index] == 0:
+        if self.weights[self.index] == 0:
             return  # an observer (weight 0) receives the average but contributes nothing
         start, end = self.bounds[j]
         parts = self._parts(end - start)
@@ -345,7 +347,7 @@ class AllReduce(GroupExchange):
         bytes for part p, so replicas stay identical.
         """
         members = self.group.members
-        weights = self.aggregator.cap_weights(self.group.weights)  # the group's agreed weights: capped alike
+        weights = self.aggregator.cap_weights(self.weights)  # the group's agreed weights: capped alike
         contributors = [p for p, w in zip(members, weights, strict=True) if w > 0]
         start, end = self.bounds[self.index]
         parts = self._parts(end - start)
@@ -517,7 +519,7 @@ class AllReduce(GroupExchange):
             rows = [self._decode(self.codec_up, payloads[i], end - start, "evidence") for i in included]
         except Rejected as exc:
             return f"it averaged a payload it should have refused ({exc})"
-        weights = self.aggregator.cap_weights(self.group.weights)
+        weights = self.aggregator.cap_weights(self.weights)
         expected = torch.zeros(end - start)
         self.aggregator.reduce(rows, [weights[i] for i in included], expected)
         sent = self.codec_down.decode(self.codec_down.encode(expected), end - start)
@@ -568,7 +570,7 @@ class AllReduce(GroupExchange):
         sends with every part the members it included (``_mask``), and the members' reports agree on it, so
         every member that confirms the round knows the same. The next round sends it all again.
         """
-        if self.residual is None or self.sent is None or self.group.weights[self.index] <= 0:
+        if self.residual is None or self.sent is None or self.weights[self.index] <= 0:
             return
         # By ranges, not boolean masks: in the usual round (everything encoded and applied) there is nothing to do,
         # and a mask over the whole update cost a pass of its length and an index scan (~40 ms per 10M elements).
@@ -585,7 +587,7 @@ class AllReduce(GroupExchange):
         return {"applied": list(self.applied), "masks": masks}
 
     def unsettled(self, round_: int) -> Unsettled | None:
-        if self.residual is None or self.sent is None or self.group.weights[self.index] <= 0:
+        if self.residual is None or self.sent is None or self.weights[self.index] <= 0:
             return None
         encoded = self._encoded()
         sent = torch.where(encoded, self.sent, 0.0)  # ``sent`` is a scratch buffer the next round reuses

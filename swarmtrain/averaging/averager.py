@@ -42,8 +42,10 @@ log = logging.getLogger(__name__)
 # by their senders and reducers show what they averaged to members that check them ("evidence"); 10: state digests,
 # shard and payload hashes are BLAKE3 (were SHA-256); 11: joins marked "probe", answered from a formed group by any
 # of its members (a member whose leader froze before answering it asks a member that holds the group); 12: without
-# an outer momentum the state is theta_g alone (its digest, the gossip mix and the state download).
-PROTOCOL_VERSION = 12
+# an outer momentum the state is theta_g alone (its digest, the gossip mix and the state download); 13: a signed
+# digest carries a "held" signature, joins carry a certificate of the joiner's state, and a signed group says whose
+# state counts in a mix (``Group.counted``).
+PROTOCOL_VERSION = 13
 _ROUTE_WAIT = 5.0  # a member may hear of its group a moment after a peer that already sends
 _SMALL = 1 << 16
 _LEDGERS = 8  # decisions of the last rounds this member confirmed, served to members that could not
@@ -129,6 +131,11 @@ class Averager:
         )  # fmt: skip
         self.group_size = group_size
         self.matchmaker.bans = Bans(self.me, ban_rounds)  # peers caught sending invalid payloads (``bans``)
+        if signer is not None:
+            self.matchmaker.check_held = signer.check_held
+        # Another member's signed statement that it held my state at the end of a round, and that state's digest:
+        # what makes my state count when a signed gossip round mixes (``Group.counted``).
+        self.certified: tuple[str, dict[str, Any]] | None = None
         self.round = 0
         # The node's phase between rounds (solo, in step, catching up, observing, ...) and an update that missed its
         # round: ``round.Lifecycle``, moved by the rounds here and by the node's catch-up.
@@ -360,6 +367,8 @@ class Averager:
         )  # the view after the digests: they relay it too
         outcome, digest = await self._settle(r, verdict, digest)
         self._remember(r.number, update, outcome)
+        if (cert := update.certificate(digest)) is not None:
+            self.certified = (digest, cert)
         r.enter(Step.DONE)
         phases = {k: round(v, 4) for k, v in r.phases.items()}
         return RoundOutcome(
@@ -382,10 +391,10 @@ class Averager:
     async def _gather(
         self, r: Round, weight: float, candidates: list[str], expected: set[str], gather_timeout: float
     ) -> Group:
-        own = self.deadline_s()
+        own, digest = self.deadline_s(), self.outer.digest()
+        cert = self.certified[1] if self.certified is not None and self.certified[0] == digest else None
         return await self.matchmaker.form_group(
-            r.number, weight, self.outer.digest(), candidates, expected, gather_timeout, own,
-            self.deadline_factor * own,
+            r.number, weight, digest, candidates, expected, gather_timeout, own, self.deadline_factor * own, cert
         )  # fmt: skip
 
     def _round_of_one(
@@ -427,7 +436,8 @@ class Averager:
         before mixing (None when not mixed), whether the group mixed, and whether I heard anyone."""
         r.enter(Step.MIX)
         state = torch.cat(list(self.outer.state_tensors().values()))
-        mixing = self._allreduce(group, state, r.exchange_started + r.budget, codec=get_codec("fp32"), tag="/state")
+        deadline, fp32 = r.exchange_started + r.budget, get_codec("fp32")
+        mixing = self._allreduce(group, state, deadline, codec=fp32, tag="/state", weights=group.mix_weights)
         mixing.opens = r.exchange_started
         try:
             mixed = await self._run(mixing)
@@ -600,6 +610,7 @@ class Averager:
         tag: str = "",
         fault: Callable[[int], None] | None = None,
         residual: torch.Tensor | None = None,
+        weights: tuple[float, ...] | None = None,
     ) -> GroupExchange:
         allreduce: GroupExchange
         if codec is None and self.codec_up.sparse:
@@ -617,7 +628,7 @@ class Averager:
                 aggregator=self.aggregator if codec is None else None,  # theta_g mixes by the plain mean
                 signer=self.signer, equivocate=self.equivocate, verify=self.verify, rng=self.rng,
                 alter=self.alter if codec is None else None,
-                suspects=self.matchmaker.bans.suspects(group.round) if codec is None else (),
+                suspects=self.matchmaker.bans.suspects(group.round) if codec is None else (), weights=weights,
             )  # fmt: skip
         route = self._route(allreduce.route)
         if not route.done():

@@ -346,8 +346,25 @@ class GroupExchange(ABC):
     def _sign(self, kind: str, key: str, value: Any) -> dict[str, Any]:
         if self.signer is None:
             return {key: value}
-        proof = self.signer.sign(self.route, kind, value)
+        proof: dict[str, Any] = self.signer.sign(self.route, kind, value)
+        if kind == "digest" and isinstance(value, str):  # the state I hold, a certificate for others (``signing``)
+            proof["held"] = self.signer.sign_held(self.group.round, value)
         return {key: value, "proof": proof}
+
+    def certificate(self, digest: str) -> dict[str, Any] | None:
+        """Another member's signed statement that it held ``digest`` at the end of this round, from the digests it
+        sent me itself (None if none did, or the group is unsigned): what makes my state count in a later mix."""
+        values = self.values.get("digest")
+        if values is None or self.signer is None:
+            return None
+        for peer, held in values.held.items():
+            proof = values.proofs.get(peer)
+            if peer == self.me or held != digest or not isinstance(proof, dict):
+                continue
+            cert = {"round": self.group.round, "key": proof.get("key"), "sig": proof.get("held")}
+            if self.signer.check_held(self.me, digest, self.group.round + 1, cert) is None:
+                return cert
+        return None
 
     @staticmethod
     def _twist(value: Any) -> Any:

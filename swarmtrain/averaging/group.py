@@ -8,6 +8,7 @@ from __future__ import annotations
 import hashlib
 import random
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -22,11 +23,26 @@ class Group:
     # How long the group had formed when I was told of it: about 0 from the leader; seconds when a member told me
     # after the leader froze before answering me (``matchmaking._probe``), and the others' exchange began then.
     age_s: float = field(default=0.0, compare=False)
+    # Whose state counts when a gossip round mixes (signed groups; empty: everyone's): a state another peer
+    # certified it held (``signing.check_held``) or that two members hold, unless no member's does. The others
+    # take the mix of the counted ones, and ``mixed`` says whether those differ.
+    counted: tuple[bool, ...] = ()
+    digests: tuple[str, ...] = field(default=(), compare=False)  # each member's digest as it joined
+    certs: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)  # the certificates counted
 
     @property
     def group_id(self) -> str:
         text = f"{self.round}|{','.join(self.members)}|{','.join(repr(w) for w in self.weights)}|{self.mixed}"
+        if self.counted:
+            text += "|" + "".join("1" if c else "0" for c in self.counted)
         return hashlib.blake2b(text.encode(), digest_size=8).hexdigest()
+
+    @property
+    def mix_weights(self) -> tuple[float, ...]:
+        """The weights of the members' states in a mix: a state that does not count weighs nothing."""
+        if not self.counted:
+            return self.weights
+        return tuple(w if c else 0.0 for w, c in zip(self.weights, self.counted, strict=True))
 
     @property
     def size(self) -> int:
@@ -73,3 +89,15 @@ def leader_candidates(peers: list[str], me: str, group_size: int, run_id: str, r
         if me in group:
             return group
     raise AssertionError("unreachable: every peer is in some group")
+
+
+def counted_states(digests: list[str], certified: list[bool]) -> list[bool]:
+    """Whose state counts in a mix (``Group.counted``): a certified one, or one that two members hold; every one
+    where none does (a swarm's first rounds, when each member's state is its own)."""
+    counted = [c or digests.count(d) >= 2 for d, c in zip(digests, certified, strict=True)]
+    return counted if any(counted) else [True] * len(digests)
+
+
+def mixes(digests: list[str], counted: list[bool]) -> bool:
+    """Whether a group mixes its states: the states that count differ."""
+    return len({d for d, c in zip(digests, counted, strict=True) if c}) > 1

@@ -19,11 +19,11 @@ import asyncio
 import logging
 import math
 from collections.abc import Awaitable, Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from swarmtrain.averaging.bans import Bans
-from swarmtrain.averaging.group import Group
+from swarmtrain.averaging.group import Group, counted_states, mixes
 from swarmtrain.errors import IncompatibleSwarm
 from swarmtrain.net import PeerUnreachable, Rejected, RemoteError, RpcTimeout, Transport
 
@@ -44,6 +44,7 @@ class Lobby:
     joined: dict[str, float] = field(default_factory=dict)
     digests: dict[str, str] = field(default_factory=dict)
     caps: dict[str, float] = field(default_factory=dict)  # the longest budget each joiner accepts
+    certs: dict[str, Any] = field(default_factory=dict)  # the certificate each joiner's state came with, if any
     redirect: str | None = None
     redirected: asyncio.Event = field(default_factory=asyncio.Event)
     changed: asyncio.Event = field(default_factory=asyncio.Event)
@@ -59,10 +60,13 @@ class Lobby:
     def answer(self) -> dict[str, Any]:
         """The group, as the leader tells it to its members, and how long ago I learned it (``Group.age_s``)."""
         group = self.result.result()
-        return {
+        answer = {
             "members": list(group.members), "weights": list(group.weights), "mixed": group.mixed,
             "deadline_s": group.deadline_s, "age_s": asyncio.get_running_loop().time() - self.formed_at,
         }  # fmt: skip
+        if group.counted:
+            answer.update(counted=list(group.counted), digests=list(group.digests), certs=group.certs)
+        return answer
 
 
 def check_weight(weight: Any, bound: float = MAX_WEIGHT) -> float:
@@ -124,6 +128,9 @@ class Matchmaker:
         # sent on to the next candidate at once instead of waiting on it until their join timeout. A joiner that
         # holds my round and state is told to ask again instead (see ``_while_catching_up``).
         self._catching_up = asyncio.Event()
+        # Checks a state's certificate (``RoundSigner.check_held``): set in a signed swarm, where a leader tells its
+        # group whose states count in a mix (``Group.counted``) and each member checks it. None: everyone's count.
+        self.check_held: Callable[[str, str, int, Any], str | None] | None = None
 
     @property
     def catching_up(self) -> bool:
@@ -178,6 +185,8 @@ class Matchmaker:
             return self._redirect(lobby, sender)
         lobby.joined[sender] = weight
         lobby.digests[sender] = digest
+        if "cert" in header:
+            lobby.certs[sender] = header["cert"]
         lobby.caps[sender] = max(float(cap), self.min_budget_s)
         lobby.changed.set()
         redirected = asyncio.ensure_future(lobby.redirected.wait())
@@ -243,13 +252,14 @@ class Matchmaker:
         gather_timeout: float,
         deadline_s: float = 0.0,
         cap_s: float = MAX_DEADLINE_S,
+        cert: dict[str, Any] | None = None,
     ) -> Group:
         """Meet the others of my gossip group for ``round_``; a group of one if nobody can be reached.
 
         ``deadline_s`` is the budget I propose if I lead, ``cap_s`` the longest I accept: a leader gives its group
         the least of its proposal and every member's cap, so that every member runs the same phase deadlines (a
         member that capped the leader's budget on its own would decide while a live member's report is still
-        due, from a different view than the others).
+        due, from a different view than the others). ``cert``: another peer's certificate of my state.
         """
         lobby = self._lobby(round_)
         banned = self.bans.active(round_)
@@ -269,11 +279,15 @@ class Matchmaker:
                 continue
             tried.add(candidate)
             if candidate == self.me:
-                return await self._lead(lobby, weight, digest, expected, gather_timeout, min(deadline_s, cap_s))
+                return await self._lead(
+                    lobby, weight, digest, expected, gather_timeout, min(deadline_s, cap_s), cert
+                )  # fmt: skip
             lobby.redirect = candidate
             lobby.redirected.set()
             lobby.redirected = asyncio.Event()
             request = {**self.header, "round": round_, "weight": weight, "digest": digest, "cap_s": cap_s}
+            if cert is not None:
+                request["cert"] = cert
             try:
                 answer = await self._join(candidate, request)
             except (PeerUnreachable, RpcTimeout, RemoteError) as exc:
@@ -306,7 +320,7 @@ class Matchmaker:
                     queue.insert(0, candidate)
                     await asyncio.sleep(0.3)
                 continue
-            group = self._parse_group(round_, answer)
+            group = self._parse_group(round_, answer, request)
             if group is not None:
                 lobby.settle(group)  # kept for members that ask me for it (a repeated join, a probe)
                 return group
@@ -359,13 +373,15 @@ class Matchmaker:
             except (PeerUnreachable, RpcTimeout, RemoteError) as exc:
                 log.info("round %d: %s has no group for me: %s", round_, peer[-8:], exc)
                 continue
-            group = self._parse_group(round_, answer)
+            group = self._parse_group(round_, answer, request)
             if group is not None and {peer, leader} <= set(group.members) and route.startswith(group.group_id):
                 log.info("round %d: leader %s stopped answering; %s told me its group", round_, leader[-8:], peer[-8:])
                 return answer
         return None
 
-    def _parse_group(self, round_: int, answer: dict[str, Any]) -> Group | None:
+    def _parse_group(self, round_: int, answer: dict[str, Any], request: dict[str, Any]) -> Group | None:
+        """The group in a leader's (or member's) ``answer`` to my join ``request``, or None if it is malformed, or
+        does not hold me, or (signed swarm) says whose state counts other than its certificates show."""
         members, weights = answer.get("members"), answer.get("weights")
         try:
             if not isinstance(members, list) or not isinstance(weights, list) or len(members) != len(weights):
@@ -381,10 +397,41 @@ class Matchmaker:
                     raise Rejected(f"{name} {value!r} out of bounds")
             weights_ = tuple(check_weight(w, self.max_weight) for w in weights)
             group = Group(round_, tuple(members), weights_, mixed, float(deadline_s), float(age_s))
+            if self.check_held is not None and self.me in group.members:
+                group = self._check_counted(group, answer, request)
         except Rejected as exc:
             log.warning("round %d: leader sent a bad group: %s", round_, exc)
             return None
         return group if self.me in group.members else None
+
+    def _check_counted(self, group: Group, answer: dict[str, Any], request: dict[str, Any]) -> Group:
+        """``group`` with whose state counts, checked: every certificate the answer holds, whether a state counts
+        and whether the group mixes follow from them and the digests (``counted_states``), my own digest is the one
+        I joined with, and my certificate, if it holds, is among them (a leader that left it out could make a
+        state of its own count where mine should)."""
+        check = self.check_held
+        assert check is not None
+        counted, digests, certs = answer.get("counted"), answer.get("digests"), answer.get("certs")
+        size = group.size
+        if not isinstance(counted, list) or len(counted) != size or not all(isinstance(c, bool) for c in counted):
+            raise Rejected("the group does not say whose state counts")
+        if not isinstance(digests, list) or len(digests) != size or not all(isinstance(d, str) for d in digests):
+            raise Rejected("the group does not hold its members' digests")
+        if not isinstance(certs, dict) or not set(certs) <= set(group.members):
+            raise Rejected("malformed certificates")
+        me = group.index(self.me)
+        if digests[me] != request["digest"]:
+            raise Rejected(f"the group holds digest {digests[me]!r} for me, not the one I joined with")
+
+        def holds(member: str, digest: str, cert: Any) -> bool:
+            return check(member, digest, group.round, cert) is None
+
+        if self.me not in certs and holds(self.me, digests[me], request.get("cert")):
+            raise Rejected("the group left out my state's certificate")
+        certified = [holds(m, d, certs.get(m)) for m, d in zip(group.members, digests, strict=True)]
+        if counted != counted_states(digests, certified) or group.mixed != mixes(digests, counted):
+            raise Rejected("whose state counts, or whether the group mixes, is not what its certificates show")
+        return replace(group, counted=tuple(counted), digests=tuple(digests), certs=certs)
 
     async def _drop_unreachable(self, lobby: Lobby, expected: set[str]) -> None:
         """While the leader waits, forget expected members whose daemon is gone (a crash before joining)."""
@@ -403,11 +450,20 @@ class Matchmaker:
         return any(lobby.joined for r, lobby in self.lobbies.items() if r > round_)
 
     async def _lead(
-        self, lobby: Lobby, weight: float, digest: str, expected: set[str], gather_timeout: float, deadline_s: float
+        self,
+        lobby: Lobby,
+        weight: float,
+        digest: str,
+        expected: set[str],
+        gather_timeout: float,
+        deadline_s: float,
+        cert: dict[str, Any] | None = None,
     ) -> Group:
         lobby.redirect = None
         lobby.joined[self.me] = weight
         lobby.digests[self.me] = digest
+        if cert is not None:
+            lobby.certs[self.me] = cert
         loop = asyncio.get_running_loop()
         deadline = loop.time() + gather_timeout
         # Alone at the gather timeout while live members are expected (one still finishing the last round under
@@ -432,14 +488,23 @@ class Matchmaker:
         members = sorted(lobby.joined)[: self.group_size]
         if self.me not in members:
             members = sorted([*members[:-1], self.me])
-        mixed = len({lobby.digests[m] for m in members}) > 1
+        digests = [lobby.digests[m] for m in members]
+        mixed, counted, certs = len(set(digests)) > 1, [], {}
+        if self.check_held is not None:
+            check, held = self.check_held, lobby.certs
+            certs = {m: held[m] for m in members if check(m, lobby.digests[m], lobby.round, held.get(m)) is None}
+            counted = counted_states(digests, [m in certs for m in members])
+            mixed = mixes(digests, counted)
         if deadline_s > 0:
             deadline_s = min([deadline_s, *(lobby.caps[m] for m in members if m in lobby.caps)])
         weights = [lobby.joined[m] for m in members]
         if self.published_tokens is not None:
             published = await self.published_tokens([m for m in members if m != self.me], lobby.round)
             weights = plausible_weights(lobby.round, members, weights, self.me, published)
-        group = Group(lobby.round, tuple(members), tuple(weights), mixed, deadline_s)
+        group = Group(
+            lobby.round, tuple(members), tuple(weights), mixed, deadline_s, counted=tuple(counted),
+            digests=tuple(digests) if counted else (), certs=certs,
+        )  # fmt: skip
         lobby.settle(group)
         missing = expected - set(members)
         if missing:

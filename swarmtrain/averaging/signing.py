@@ -14,6 +14,11 @@ survivors hold the same relays, ask for and get the same proofs, leave the membe
 and ban it. Unsigned, the survivors each kept the first value they held, and the member split the group's
 decision.
 
+A digest is signed twice: over the round's route, as above, and over the round number alone ("held"): the second
+is a member's statement that it held that state at the end of that round, which another member can show as the
+certificate of the same state in a later round (``check_held``, ``matchmaking``): a state that an honest peer
+held, not one a member made up.
+
 What it does not cover: peers that collude (one equivocates, another relays selectively or withholds proofs
 from some members), and a value that reached only a hostile member before the honest sender died (two faults).
 """
@@ -40,6 +45,14 @@ def message(route: str, kind: str, value: Any) -> bytes:
     return msgpack.packb([route, kind, value], use_bin_type=True)
 
 
+MAX_HELD_AGE = 2  # a certificate of the round before last still counts (a round of one in between keeps the state)
+
+
+def held_message(round_: int, digest: str) -> bytes:
+    """The bytes a member signs to say it held the state of ``digest`` at the end of round ``round_``."""
+    return msgpack.packb(["held", round_, digest], use_bin_type=True)
+
+
 class RoundSigner:
     """Signs this member's values and checks the other members' signatures."""
 
@@ -52,6 +65,28 @@ class RoundSigner:
     def sign(self, route: str, kind: str, value: Any) -> dict[str, bytes]:
         return {"sig": self.key.sign(message(route, kind, value)), "key": self.public}
 
+    def sign_held(self, round_: int, digest: str) -> bytes:
+        return self.key.sign(held_message(round_, digest))
+
+    def check_held(self, holder: str, digest: str, round_: int, cert: Any) -> str | None:
+        """Why ``cert`` does not certify that ``holder``'s state ``digest`` is one another peer held at the end of
+        a round shortly before ``round_`` (None: it does). A certificate is {"round", "key", "sig"}: a signature by
+        any peer but the holder itself (``held_message``), of round ``round_`` - 1 or - 2."""
+        if not isinstance(cert, dict):
+            return "no certificate"
+        held_round, key, sig = cert.get("round"), cert.get("key"), cert.get("sig")
+        if isinstance(held_round, bool) or not isinstance(held_round, int):
+            return "a certificate without a round"
+        if not 1 <= round_ - held_round <= MAX_HELD_AGE:
+            return f"a certificate of round {held_round}, not of the last {MAX_HELD_AGE} before round {round_}"
+        if not isinstance(sig, bytes) or not isinstance(key, bytes) or len(sig) > MAX_SIG_BYTES:
+            return "a malformed certificate"
+        if len(key) > MAX_KEY_BYTES or self._owner(key) in (None, holder):
+            return "a certificate signed by its own holder or by no peer"
+        if not self._verify(key, held_message(held_round, digest), sig):
+            return "a certificate whose signature does not hold"
+        return None
+
     def check(self, peer: str, route: str, kind: str, value: Any, proof: Any) -> bool:
         """Whether ``proof`` is ``peer``'s signature of ``value`` in this round."""
         if not isinstance(proof, dict):
@@ -61,7 +96,9 @@ class RoundSigner:
             return False
         if len(sig) > MAX_SIG_BYTES or len(key) > MAX_KEY_BYTES or self._owner(key) != peer:
             return False
-        data = message(route, kind, value)
+        return self._verify(key, message(route, kind, value), sig)
+
+    def _verify(self, key: bytes, data: bytes, sig: bytes) -> bool:
         seen = hashlib.blake2b(data + sig + key, digest_size=16).digest()
         if seen in self._checked:
             return self._checked[seen]

@@ -1,0 +1,110 @@
+"""Whose state counts when a gossip round mixes (``Group.counted``, ``RoundSigner.check_held``).
+
+A member's theta_g digest in its join is its own claim. Signed, a state counts in a mix only where another peer
+certified that it held it at the end of a recent round, or two members of the group hold it (or no member's
+state does either: a swarm's first rounds). So a member cannot bring a state of its own into an honest group and
+pull it there; a member with a certified state of another gossip line still mixes with the others. In process
+(memory transport), members signing with identity keys as nodes do; FedAvg outer step (lr 1, no momentum).
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import torch
+
+from swarmtrain.averaging import RoundSigner
+from swarmtrain.averaging.group import Group, mixes
+from swarmtrain.averaging.matchmaking import Lobby
+from tests.test_byzantine import NUMEL, identities, make_group, play_round
+
+
+def test_a_certificate_is_another_peers_signature_of_the_state_in_one_of_the_last_two_rounds() -> None:
+    (alice, alice_key), (bob, bob_key), (carol, _) = identities()[:3]
+    checker, bob_signs = RoundSigner(alice_key), RoundSigner(bob_key)
+    cert = {"round": 4, "key": bob_signs.public, "sig": bob_signs.sign_held(4, "abcd")}
+    assert checker.check_held(carol, "abcd", 5, cert) is None
+    assert checker.check_held(carol, "abcd", 6, cert) is None  # a round of one in between keeps the state
+    assert "round 4" in (checker.check_held(carol, "abcd", 7, cert) or "")  # an old state, replayed
+    assert "round 4" in (checker.check_held(carol, "abcd", 4, cert) or "")
+    assert "does not hold" in (checker.check_held(carol, "abce", 5, cert) or "")  # another state
+    assert "does not hold" in (checker.check_held(carol, "abcd", 5, {**cert, "round": 3}) or "")
+    assert "own holder" in (checker.check_held(bob, "abcd", 5, cert) or "")  # a member certifying itself
+    for junk in (None, {}, {**cert, "round": True}, {**cert, "sig": "x"}, {**cert, "key": b"junk"}):
+        assert checker.check_held(carol, "abcd", 5, junk) is not None, junk
+
+
+async def test_a_member_bringing_a_state_of_its_own_is_not_mixed_in_and_takes_the_groups_state() -> None:
+    """Three honest members on one state, a fourth that sets its theta_g to 1000 before every round (a state no
+    peer certified). The group never mixes; the honest theta_g moves by the round's update alone, and the fourth
+    member ends each round in the minority and resyncs to the group's state."""
+    averagers = make_group("centered-clip", "sign-flip", members=4, hostile=0)
+    for a in averagers:
+        await a.start()
+    honest, hostile = averagers[:3], averagers[3]
+    generator = torch.Generator().manual_seed(5)
+    for round_ in range(3):
+        hostile.outer.theta.fill_(1000.0)
+        deltas = [0.01 * torch.randn(NUMEL, generator=generator) for _ in averagers]
+        before = honest[0].outer.theta.clone()
+        outcomes = await play_round(averagers, deltas, [1.0] * 4)
+        for outcome in outcomes:
+            assert outcome.group.size == 4 and not outcome.group.mixed and not outcome.mixed, (round_, outcome)
+            assert outcome.group.counted == (True, True, True, False), (round_, outcome.group)
+        assert {o.outcome for o in outcomes[:3]} == {"applied"}, (round_, outcomes)
+        assert outcomes[3].outcome == "diverged-resynced", (round_, outcomes[3])
+        moved = (honest[0].outer.theta - before).abs().max().item()
+        assert moved < 0.1, f"round {round_}: the honest state moved by {moved}"
+        assert all(torch.equal(a.outer.theta, honest[0].outer.theta) for a in averagers), round_
+
+
+async def test_a_member_with_a_certified_state_of_another_line_mixes_with_the_group() -> None:
+    """Round 0 in two pairs, each applying its own update: two lines, each certified by the other member of its
+    pair. Round 1: both members of line A and one of line B. B's state is held by one member only, yet counts (its
+    pair partner certified it), so the group mixes, and every member ends on the weighted mean of the two lines
+    plus the round's update."""
+    averagers = make_group("mean", "sign-flip", members=4, hostile=0)
+    for a in averagers:
+        await a.start()
+    a1, a2, b1, b2 = averagers
+    line_a, line_b = torch.full((NUMEL,), 0.5), torch.full((NUMEL,), -0.5)
+    firsts = await asyncio.gather(
+        play_round([a1, a2], [line_a, line_a], [1.0, 1.0]), play_round([b1, b2], [line_b, line_b], [1.0, 1.0])
+    )
+    assert [o.outcome for pair in firsts for o in pair] == ["applied"] * 4, firsts
+    assert a1.certified is not None and b1.certified is not None
+    assert a1.certified[0] != b1.certified[0]  # two lines
+    mixed_state = (2 * a1.outer.theta + b1.outer.theta) / 3
+    zero = torch.zeros(NUMEL)
+    outcomes = await play_round([a1, a2, b1], [zero, zero, zero], [1.0, 1.0, 1.0])
+    for outcome in outcomes:
+        assert outcome.group.mixed and outcome.mixed and outcome.outcome == "applied", outcome
+        assert outcome.group.counted == (True, True, True), outcome.group
+    for a in (a1, a2, b1):
+        assert torch.allclose(a.outer.theta, mixed_state, atol=1e-6)
+
+
+async def test_a_member_refuses_a_group_that_left_out_its_certificate_or_counts_an_uncertified_state() -> None:
+    """The group a leader answers with is checked by each member: a leader that drops a member's certificate (so
+    that no state is certified and every one counts, its own too), or counts a state no certificate backs, is
+    refused."""
+    averagers = make_group("mean", "sign-flip", members=3, hostile=0)
+    leader, member, other = averagers
+    certifier = RoundSigner(identities()[-1][1])
+    cert = {"round": 0, "key": certifier.public, "sig": certifier.sign_held(0, "mine")}
+    request = {"round": 1, "weight": 1.0, "digest": "mine", "cap_s": 10.0, "cert": cert}
+    members = (leader.me, member.me, other.me)
+
+    def answer(counted: list[bool], certs: dict) -> dict:
+        digests = ("x", "mine", "y")
+        lobby = Lobby(1)
+        lobby.settle(
+            Group(1, members, (1.0,) * 3, mixes(list(digests), counted), counted=tuple(counted), digests=digests,
+                  certs=certs)
+        )  # fmt: skip
+        return lobby.answer()
+
+    honest = member.matchmaker._parse_group(1, answer([False, True, False], {member.me: cert}), request)
+    assert honest is not None and honest.counted == (False, True, False) and not honest.mixed, honest
+    for counted, certs in [([True, True, True], {}), ([True, True, False], {member.me: cert})]:
+        assert member.matchmaker._parse_group(1, answer(counted, certs), request) is None, (counted, certs)
