@@ -1,7 +1,7 @@
 """Whose state counts when a gossip round mixes (``Group.counted``, ``RoundSigner.check_held``).
 
 A member's theta_g digest in its join is its own claim. Signed, a state counts in a mix only where another peer
-certified that it held it at the end of a recent round, or two members of the group hold it (or no member's
+certified that it held it at the end of a recent round, or most members of the group hold it (or no member's
 state does either: a swarm's first rounds). So a member cannot bring a state of its own into an honest group and
 pull it there; a member with a certified state of another gossip line still mixes with the others. In process
 (memory transport), members signing with identity keys as nodes do; FedAvg outer step (lr 1, no momentum).
@@ -35,16 +35,16 @@ def test_a_certificate_is_another_peers_signature_of_the_state_in_one_of_the_las
 
 
 async def test_a_member_bringing_a_state_of_its_own_is_not_mixed_in_and_takes_the_groups_state() -> None:
-    """Three honest members on one state, a fourth that sets its theta_g to 1000 before every round (a state no
-    peer certified). The group never mixes; the honest theta_g moves by the round's update alone, and the fourth
-    member ends each round in the minority and resyncs to the group's state."""
-    averagers = make_group("centered-clip", "sign-flip", members=4, hostile=0)
+    """Three honest members on one state, a fourth (attack.kind = own-state) that moves its theta_g 10 times its
+    norm away before every round (a state no peer certified). The group never mixes; the honest theta_g moves by
+    the round's update alone, and the fourth member ends each round in the minority and resyncs to the group's
+    state."""
+    averagers = make_group("centered-clip", "own-state", members=4, hostile=1)
     for a in averagers:
         await a.start()
-    honest, hostile = averagers[:3], averagers[3]
+    honest = averagers[:3]
     generator = torch.Generator().manual_seed(5)
     for round_ in range(3):
-        hostile.outer.theta.fill_(1000.0)
         deltas = [0.01 * torch.randn(NUMEL, generator=generator) for _ in averagers]
         before = honest[0].outer.theta.clone()
         outcomes = await play_round(averagers, deltas, [1.0] * 4)

@@ -30,6 +30,11 @@ training literature:
   checks its shard (``averaging.verify``): it holds each check until the round's deadline and refuses it. Each
   check withholds its shard from the whole group, so it would hold its share of the model still; members ban a
   reducer that leaves their checks unanswered (``bans.Bans.strike``).
+- ``own-state``: an honest update, but before every round it moves its theta_g by ``scale`` times its norm (at
+  least that of a vector of ones) along a direction of its own (fixed, seeded), and joins with that state's
+  digest: a state no peer held. Mixed in by the plain mean, it pulled the honest theta_g a share of the way there
+  every round; a state counts in a mix only with another peer's certificate (``Group.counted``), so the group
+  never mixes for it and it resyncs each round.
 - ``outsider``: a node without a private swarm's key (none, or another) that does not stop when the swarm refuses
   it (``verify_swarm``): it reads the members' records, asks them for their settings, joins their groups, tries to
   catch up from them and publishes its own record. It gets nothing: every call is refused (``swarm-key``) and
@@ -49,7 +54,7 @@ from swarmtrain.compression.wire import pack_header
 
 KINDS = (
     "scale", "sign-flip", "nan", "random", "big-weight", "alie", "equivocate", "forge-records", "outsider",
-    "bad-reducer", "mute-reducer",
+    "bad-reducer", "mute-reducer", "own-state",
 )  # fmt: skip
 BIG_WEIGHT = 1e6
 FORGED_AHEAD = 10
@@ -74,9 +79,10 @@ class Attack:
             return delta * self.scale, weight
         if self.kind == "sign-flip":
             return delta * -self.scale, weight
-        if self.kind in ("nan", "equivocate", "forge-records", "outsider", "bad-reducer", "mute-reducer"):
+        if self.kind in ("nan", "equivocate", "forge-records", "outsider", "bad-reducer", "mute-reducer", "own-state"):
             # The payloads carry the NaNs (``wrap_codec``); the exchange equivocates; the node forges records or
-            # calls without the swarm's key; the reducer alters its shard (``alter``) or answers no check.
+            # calls without the swarm's key; the reducer alters its shard (``alter``) or answers no check; the node
+            # brings a state of its own (``steer``).
             return delta, weight
         if self.kind == "random":
             noise = torch.randn(delta.shape, generator=self._noise)
@@ -89,6 +95,13 @@ class Attack:
     def alter(self, average: torch.Tensor) -> None:
         """bad-reducer: what I send the group for a part of my shard, in place of its true ``average``."""
         average.mul_(-self.scale)
+
+    def steer(self, theta: torch.Tensor) -> None:
+        """own-state: move theta_g, before the round, along my own direction by ``scale`` times its norm (or times
+        the norm of a vector of ones, where theta_g is about zero)."""
+        direction = torch.randn(theta.shape, generator=torch.Generator().manual_seed(self.seed))
+        size = max(float(theta.norm()), theta.numel() ** 0.5)
+        theta.add_(direction, alpha=self.scale * size / float(direction.norm()))
 
     def wrap_codec(self, codec: BaseCodec) -> BaseCodec:
         """The uplink codec a node with this attack sends with: ``nan`` writes NaN payloads, the others encode."""

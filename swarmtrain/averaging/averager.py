@@ -110,6 +110,7 @@ class Averager:
         self.equivocate = getattr(attack, "kind", "") == "equivocate"  # tests only: tells members different things
         self.alter = getattr(attack, "alter", None) if getattr(attack, "kind", "") == "bad-reducer" else None
         self.mute = getattr(attack, "kind", "") == "mute-reducer"  # tests only: never shows what it averaged
+        self.steer = getattr(attack, "steer", None) if getattr(attack, "kind", "") == "own-state" else None
         # Signs my reports and digests and checks the others' (``signing``): a node always signs, with its identity
         # key; the in-process simulator and most unit tests run unsigned (peer ids there are not keys).
         self.signer = signer
@@ -352,6 +353,8 @@ class Averager:
         is ``round.decide``, and the node's phase moves by one ``round.Event`` at the end.
         """
         r = Round(self.round, _now())
+        if self.steer is not None:
+            self.steer(self.outer.theta)  # tests only: a state of my own
         delta, weight = self._contribution(delta, weight, r.number)
         group = await self._gather(r, weight, candidates, expected, gather_timeout)
         if group.size == 1:

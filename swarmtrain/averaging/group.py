@@ -24,7 +24,7 @@ class Group:
     # after the leader froze before answering me (``matchmaking._probe``), and the others' exchange began then.
     age_s: float = field(default=0.0, compare=False)
     # Whose state counts when a gossip round mixes (signed groups; empty: everyone's): a state another peer
-    # certified it held (``signing.check_held``) or that two members hold, unless no member's does. The others
+    # certified it held (``signing.check_held``) or that most members hold, unless no member's does. The others
     # take the mix of the counted ones, and ``mixed`` says whether those differ.
     counted: tuple[bool, ...] = ()
     digests: tuple[str, ...] = field(default=(), compare=False)  # each member's digest as it joined
@@ -92,9 +92,10 @@ def leader_candidates(peers: list[str], me: str, group_size: int, run_id: str, r
 
 
 def counted_states(digests: list[str], certified: list[bool]) -> list[bool]:
-    """Whose state counts in a mix (``Group.counted``): a certified one, or one that two members hold; every one
-    where none does (a swarm's first rounds, when each member's state is its own)."""
-    counted = [c or digests.count(d) >= 2 for d, c in zip(digests, certified, strict=True)]
+    """Whose state counts in a mix (``Group.counted``): a certified one, or one that more than half of the members
+    hold (a swarm's first round: the honest members share one init, and hostile ones, fewer than half, cannot make
+    a state count by all holding it); every one where none does (members that each start from their own init)."""
+    counted = [c or digests.count(d) * 2 > len(digests) for d, c in zip(digests, certified, strict=True)]
     return counted if any(counted) else [True] * len(digests)
 
 
