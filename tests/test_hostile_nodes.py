@@ -130,6 +130,23 @@ def test_a_node_claiming_a_huge_weight_counts_no_more_than_twice_what_its_record
 
 
 @pytest.mark.slow
+def test_a_node_joining_with_a_state_of_its_own_is_never_mixed_in(swarm: Swarm) -> None:
+    """Three honest nodes and one that moves its theta_g 10 times its norm away before every round (attack.kind =
+    own-state), a state no peer certified: no round of the honest nodes mixes states, every one applies with all
+    four members and ends on one digest among the honest, the hostile node resyncs to it each round, and the model
+    stays finite."""
+    names = three_honest_and_one(swarm, 3, "attack.kind=own-state")
+    swarm.wait(names, timeout=240)
+    assert_one_digest_per_round(swarm, names[:3], 3)
+    for name in names[:3]:
+        rounds = swarm.rounds(name)
+        assert [(r["group_size"], r["outcome"], "spread" in r) for r in rounds] == [(4, "applied", False)] * 3, rounds
+    assert [r["outcome"] for r in swarm.rounds("bad")] == ["diverged-resynced"] * 3, swarm.rounds("bad")
+    final = [r for r in swarm.metrics("n0") if r["kind"] == "final"][0]
+    assert math.isfinite(final["bpb"]) and final["bpb"] < 8.0, final
+
+
+@pytest.mark.slow
 def test_an_equivocating_node_is_banned_and_the_honest_nodes_stay_identical(swarm: Swarm) -> None:
     """Three honest nodes and one that tells every second member of its group other reports and digests, each
     signed with its identity key. Every honest node sees both values through the relays, leaves it out of round
