@@ -8,7 +8,7 @@ import struct
 import pytest
 import torch
 
-from swarmtrain.averaging import Averager, Group, gossip_groups, leader_candidates, state_digest
+from swarmtrain.averaging import Averager, Group, gossip_groups, leader_candidates, outer_digest
 from swarmtrain.averaging.matchmaking import Lobby
 from swarmtrain.averaging.round import Phase
 from swarmtrain.compression import get_codec
@@ -254,7 +254,7 @@ async def test_without_an_outer_momentum_the_state_members_hash_and_mix_is_theta
         sent[momentum] = sum(a.transport.counter.sent for a in averagers)
         if momentum == 0.0:
             assert all(a.outer.buf is None and list(a.outer.state_tensors()) == ["theta"] for a in averagers)
-            assert outcomes[0].digest == state_digest(averagers[0].outer.theta)
+            assert outcomes[0].digest == outer_digest(averagers[0].outer.theta)
     assert 0.6 < sent[0.0] / sent[0.9] < 0.7, sent
 
 

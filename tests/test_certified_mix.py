@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
 import torch
 
 from swarmtrain.averaging import RoundSigner
@@ -108,3 +109,49 @@ async def test_a_member_refuses_a_group_that_left_out_its_certificate_or_counts_
     assert honest is not None and honest.counted == (False, True, False) and not honest.mixed, honest
     for counted, certs in [([True, True, True], {}), ([True, True, False], {member.me: cert})]:
         assert member.matchmaker._parse_group(1, answer(counted, certs), request) is None, (counted, certs)
+
+
+@pytest.mark.parametrize("where", ["every shard", "its own shard"])
+async def test_a_member_that_sends_another_state_than_the_one_it_joined_with_is_refused_and_banned(where: str) -> None:
+    """Round 1 as above (a1, a2 of line A, b1 of line B, each certified), but b1 sends its state plus 100 in the mix
+    instead of the state it joined with: to every reducer, or only into its own shard (which it reduces itself).
+    An honest reducer refuses such parts (each must hash to the member's chunk hash, and those to its digest);
+    b1's own shard holds them, and every member checks it (verify = 7): the evidence holds parts that are not b1's
+    state, so its shard is withheld. Either way the group does not mix: the honest members keep line A, bit for
+    bit alike, and ban b1."""
+    averagers = make_group("mean", "sign-flip", members=4, hostile=0, verify=7.0)
+    for a in averagers:
+        a.matchmaker.bans.rounds = 3
+        await a.start()
+    a1, a2, b1, b2 = averagers
+    line_a, line_b = torch.full((NUMEL,), 0.5), torch.full((NUMEL,), -0.5)
+    await asyncio.gather(
+        play_round([a1, a2], [line_a, line_a], [1.0, 1.0]), play_round([b1, b2], [line_b, line_b], [1.0, 1.0])
+    )
+    honest_allreduce = b1._allreduce
+
+    def another_state(group, vector, deadline, **kwargs):
+        exchange = honest_allreduce(group, vector, deadline, **kwargs)
+        if kwargs.get("tag") == "/state":
+            own_start, own_end = exchange.bounds[exchange.index]
+            honest_encode = exchange._encode_up
+
+            def encode_up(start: int, end: int) -> bytes:
+                if where == "every shard" or own_start <= start < own_end:
+                    return exchange.codec_up.encode(vector[start:end] + 100.0)
+                return honest_encode(start, end)
+
+            exchange._encode_up = encode_up
+            exchange._check_chunk = lambda *args: None  # a hostile member does not check its own parts
+        return exchange
+
+    b1._allreduce = another_state
+    before = a1.outer.theta.clone()
+    zero = torch.zeros(NUMEL)
+    outcomes = await play_round([a1, a2, b1], [zero, zero, zero], [1.0, 1.0, 1.0])
+    for outcome in outcomes[:2]:
+        assert outcome.group.mixed and not outcome.mixed, outcome
+    assert torch.equal(a1.outer.theta, before) and torch.equal(a2.outer.theta, before)
+    for a in (a1, a2):
+        reason = a.matchmaker.bans.reason(b1.me, 2) or ""
+        assert "not the state its sender joined with" in reason, a.matchmaker.bans.bans

@@ -4,7 +4,7 @@ from swarmtrain.averaging.allreduce import AllReduce
 from swarmtrain.averaging.averager import PROTOCOL_VERSION, Averager, RoundOutcome
 from swarmtrain.averaging.exchange import AllReduceResult
 from swarmtrain.averaging.group import Group, gossip_groups, leader_candidates
-from swarmtrain.averaging.outer import OuterOptimizer, state_digest
+from swarmtrain.averaging.outer import OuterOptimizer, outer_digest, state_digest
 from swarmtrain.averaging.round import Event, Lifecycle, Phase
 from swarmtrain.averaging.signing import RoundSigner
 
@@ -22,5 +22,6 @@ __all__ = [
     "RoundSigner",
     "gossip_groups",
     "leader_candidates",
+    "outer_digest",
     "state_digest",
 ]

@@ -27,7 +27,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
-from collections.abc import AsyncIterator, Callable, Collection
+from collections.abc import AsyncIterator, Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -44,6 +44,7 @@ from swarmtrain.averaging.exchange import (
     wait_or_dead,
 )
 from swarmtrain.averaging.group import Group
+from swarmtrain.averaging.outer import CHUNK_HASH, chunk_root
 from swarmtrain.averaging.robust import Aggregator
 from swarmtrain.averaging.signing import MAX_KEY_BYTES, MAX_SIG_BYTES, RoundSigner
 from swarmtrain.compression import Codec, CodecError
@@ -112,6 +113,9 @@ class AllReduce(GroupExchange):
         alter: Callable[[torch.Tensor], None] | None = None,
         suspects: Collection[str] = (),
         weights: tuple[float, ...] | None = None,
+        chunk: int = 0,
+        digests: Mapping[str, str] | None = None,
+        hashes: bytes = b"",
     ) -> None:
         super().__init__(
             group, me, transport, header=header, deadline=deadline, on_part_sent=on_part_sent, tag=tag, signer=signer,
@@ -119,9 +123,14 @@ class AllReduce(GroupExchange):
         )  # fmt: skip
         self.delta = delta
         self.weights = group.weights if weights is None else weights  # a mix's: only the states that count
-        self.bounds = group.shard_bounds(delta.numel())
+        # A signed gossip round's state exchange: each part is one chunk of the state digest (``outer``), and a
+        # reducer takes a member's part only if it hashes to that member's chunk hash, its chunk hashes (sent with
+        # its parts, ``hashes`` mine) to the digest it joined the group with (``digests``).
+        self.chunk, self.digests, self.hashes = chunk, digests or {}, hashes
+        self.chunks_of: dict[str, bytes] = {}  # each sender's chunk hashes, checked against its digest
+        self.bounds = group.shard_bounds(delta.numel(), chunk or 1)
         self.codec_up, self.codec_down = codec_up, codec_down
-        self.part_numel = max(1, part_numel)
+        self.part_numel = max(1, part_numel) if not chunk else max(chunk, part_numel // chunk * chunk)
         # Big buffers come from the averager's scratch pool when it has one: fresh multi-MB allocations
         # page-fault on every round, which cost more than the arithmetic on them.
         alloc = scratch or (lambda name, numel: torch.zeros(numel))
@@ -258,6 +267,8 @@ class AllReduce(GroupExchange):
                 raise Rejected(f"part for shard {header.get('shard')!r} sent to the reducer of shard {self.index}")
             payload, sig, key = self._unseal(sender, part, body)
             self._store(box, header, payload, self.codec_up, "part")
+            if self.chunk:
+                self._check_chunk(sender, header.get("hashes"), self.bounds[self.index][0], part, box.buffer)
             if self.verify > 0:  # kept for the members that check me
                 self.kept[self.group.index(sender), part] = [payload, sig, key]
         except Rejected as exc:
@@ -266,6 +277,21 @@ class AllReduce(GroupExchange):
             self.bad_senders.add(sender)
             self.liveness.mark_dead(sender, f"sent a bad payload ({exc})")
             raise
+
+    def _check_chunk(self, sender: str, hashes: Any, start: int, part: int, values: torch.Tensor) -> None:
+        """Rejected unless part ``part`` of ``values`` (a shard starting at ``start``) holds the chunks of
+        ``sender``'s state that its chunk hashes name, and those hash to the digest it joined the group with."""
+        if sender not in self.chunks_of:
+            if not isinstance(hashes, bytes) or chunk_root(hashes) != self.digests.get(sender):
+                raise Rejected("bad part: the chunk hashes sent with it are not of the state its sender joined with")
+            self.chunks_of[sender] = hashes
+        s, e = self._parts(values.numel())[part]
+        data, held = values.view(torch.uint8).numpy(), self.chunks_of[sender]
+        for at in range(s, e, self.chunk):  # a part is whole chunks (the last one of the state may be short)
+            index, size = (start + at) // self.chunk, values.element_size()
+            chunk = data[at * size : min(at + self.chunk, e) * size]
+            if blake3.blake3(chunk).digest(CHUNK_HASH) != held[index * CHUNK_HASH : (index + 1) * CHUNK_HASH]:
+                raise Rejected(f"bad part: chunk {index} is not the state its sender joined with")
 
     def on_result(self, sender: str, header: dict[str, Any], body: bytes) -> None:
         j = self._check_member(sender)
@@ -313,6 +339,8 @@ class AllReduce(GroupExchange):
         start, end = self.bounds[j]
         parts = self._parts(end - start)
         header = {**self.header, "shard": j, "codec": self.codec_up.name}
+        if self.chunk:
+            header["hashes"] = self.hashes
         if j == self.index:
             for p, (s, e) in enumerate(parts):
                 self._deliver_locally("parts", header, p, self._seal(j, p, self._encode_up(start + s, start + e)))
@@ -517,6 +545,9 @@ class AllReduce(GroupExchange):
             return f"it showed {len(payloads)} of the {len(included)} contributions its result includes"
         try:
             rows = [self._decode(self.codec_up, payloads[i], end - start, "evidence") for i in included]
+            for i, row in zip(included, rows, strict=True):
+                if self.chunk and (member := self.group.members[i]) in self.chunks_of:
+                    self._check_chunk(member, None, self.bounds[j][0] + start, 0, row)
         except Rejected as exc:
             return f"it averaged a payload it should have refused ({exc})"
         weights = self.aggregator.cap_weights(self.weights)

@@ -25,7 +25,7 @@ from swarmtrain.averaging.bans import Bans
 from swarmtrain.averaging.exchange import AllReduceResult, GroupExchange, Unsettled
 from swarmtrain.averaging.group import Group
 from swarmtrain.averaging.matchmaking import MAX_WEIGHT, PROBE_AFTER_S, Matchmaker
-from swarmtrain.averaging.outer import OuterOptimizer
+from swarmtrain.averaging.outer import OuterOptimizer, chunk_numel
 from swarmtrain.averaging.robust import Aggregator
 from swarmtrain.averaging.round import Event, Lifecycle, Round, Stale, Step, Verdict, alone_applies, decide
 from swarmtrain.averaging.signing import MAX_KEY_BYTES, MAX_SIG_BYTES, RoundSigner
@@ -44,8 +44,9 @@ log = logging.getLogger(__name__)
 # of its members (a member whose leader froze before answering it asks a member that holds the group); 12: without
 # an outer momentum the state is theta_g alone (its digest, the gossip mix and the state download); 13: a signed
 # digest carries a "held" signature, joins carry a certificate of the joiner's state, and a signed group says whose
-# state counts in a mix (``Group.counted``).
-PROTOCOL_VERSION = 13
+# state counts in a mix (``Group.counted``); 14: the state digest is the hash of its chunk hashes, and a signed
+# gossip round's state parts are checked against them (``AllReduce._check_chunk``).
+PROTOCOL_VERSION = 14
 _ROUTE_WAIT = 5.0  # a member may hear of its group a moment after a peer that already sends
 _SMALL = 1 << 16
 _LEDGERS = 8  # decisions of the last rounds this member confirmed, served to members that could not
@@ -439,8 +440,13 @@ class Averager:
         before mixing (None when not mixed), whether the group mixed, and whether I heard anyone."""
         r.enter(Step.MIX)
         state = torch.cat(list(self.outer.state_tensors().values()))
-        deadline, fp32 = r.exchange_started + r.budget, get_codec("fp32")
-        mixing = self._allreduce(group, state, deadline, codec=fp32, tag="/state", weights=group.mix_weights)
+        # Signed, each member's parts are checked against the digest it joined with (``AllReduce._check_chunk``).
+        mixing = self._allreduce(
+            group, state, r.exchange_started + r.budget, codec=get_codec("fp32"), tag="/state",
+            weights=group.mix_weights, chunk=chunk_numel(state.numel()) if group.counted else 0,
+            digests=dict(zip(group.members, group.digests, strict=True)) if group.counted else None,
+            hashes=self.outer.chunk_hashes(),
+        )  # fmt: skip
         mixing.opens = r.exchange_started
         try:
             mixed = await self._run(mixing)
@@ -450,6 +456,8 @@ class Averager:
         finally:
             self._forget(mixing)
         r.phases["mix_s"] = _now() - r.exchange_started
+        # A member that sent another state than the one it joined with, or a reducer that averaged one.
+        self.matchmaker.bans.record({**mixing.invalid, **mixing.equivocators}, r.number)
         numel = self.numel
         # Whether to mix is the reports' agreed decision, the same on every member that decides at all: a member's
         # own view of who died would split the group into mixers and keepers.
@@ -614,6 +622,9 @@ class Averager:
         fault: Callable[[int], None] | None = None,
         residual: torch.Tensor | None = None,
         weights: tuple[float, ...] | None = None,
+        chunk: int = 0,
+        digests: dict[str, str] | None = None,
+        hashes: bytes = b"",
     ) -> GroupExchange:
         allreduce: GroupExchange
         if codec is None and self.codec_up.sparse:
@@ -632,6 +643,7 @@ class Averager:
                 signer=self.signer, equivocate=self.equivocate, verify=self.verify, rng=self.rng,
                 alter=self.alter if codec is None else None,
                 suspects=self.matchmaker.bans.suspects(group.round) if codec is None else (), weights=weights,
+                chunk=chunk, digests=digests, hashes=hashes,
             )  # fmt: skip
         route = self._route(allreduce.route)
         if not route.done():

@@ -51,18 +51,19 @@ class Group:
     def index(self, peer: str) -> int:
         return self.members.index(peer)
 
-    def shard_bounds(self, numel: int) -> list[tuple[int, int]]:
-        """The shard each member reduces (by member index): contiguous slices whose sizes differ by at most one.
+    def shard_bounds(self, numel: int, align: int = 1) -> list[tuple[int, int]]:
+        """The shard each member reduces (by member index): contiguous slices whose sizes differ by at most one
+        (in runs of ``align`` elements, where a slice must start at a multiple of it: a gossip round's state chunks).
 
         The slices rotate by one member per round: a member that never delivers its shard (it stalls, or every
         round sends a payload the others refuse, and is left out) would otherwise keep the same coordinates from
         ever being updated; rotated, each slice misses at most the rounds it lands on such a member.
         """
-        base, extra = divmod(numel, self.size)
+        base, extra = divmod(-(-numel // align), self.size)
         slices, start = [], 0
         for i in range(self.size):
             end = start + base + (1 if i < extra else 0)
-            slices.append((start, end))
+            slices.append((min(start * align, numel), min(end * align, numel)))
             start = end
         shift = self.round % self.size
         return slices[shift:] + slices[:shift]

@@ -33,7 +33,7 @@ import torch
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
-from swarmtrain.averaging.outer import state_digest
+from swarmtrain.averaging.outer import outer_digest
 from swarmtrain.net import Rejected, RpcError, Transport
 
 log = logging.getLogger(__name__)
@@ -301,7 +301,7 @@ def parse_state(data: bytes, expected: dict[str, torch.Tensor], digest: str) -> 
         tensors[k].shape != v.shape or tensors[k].dtype != v.dtype for k, v in expected.items()
     ):
         raise StateSyncError("the state holds other tensors than ours (names, shapes or dtypes)")
-    if state_digest(*(tensors[k] for k in expected)) != digest:
+    if outer_digest(*(tensors[k] for k in expected)) != digest:
         raise StateSyncError(f"the state does not hash to its digest {digest[:8]}")
     return tensors
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from swarmtrain.averaging import state_digest
+from swarmtrain.averaging import outer_digest, state_digest
 from swarmtrain.config import Config
 from swarmtrain.errors import CheckpointError
 from swarmtrain.train import (
@@ -74,9 +74,12 @@ def outer_state(checkpoint: Checkpoint, momentum: bool | None = None) -> tuple[i
             f"checkpoint error: {checkpoint.path} is not a swarm node's checkpoint (no outer state; `swarmtrain "
             "train` writes such files). Start the node with a new --run-dir."
         )
-    current = state_digest(*found.values())
-    # Nodes before protocol 10 wrote a SHA-256 digest: their checkpoints still resume, with the current digest.
-    matches = digest == current or digest == state_digest(*found.values(), hasher=hashlib.sha256)
+    # Nodes before protocol 14 wrote a digest of the whole state at once (BLAKE3; before protocol 10, SHA-256):
+    # their checkpoints still resume, with the current digest.
+    matches = digest in (
+        outer_digest(*found.values()), state_digest(*found.values()),
+        state_digest(*found.values(), hasher=hashlib.sha256),
+    )  # fmt: skip
     if any(t.shape != found["theta"].shape for t in found.values()) or not matches:
         raise DamagedCheckpoint(
             f"checkpoint error: the outer state in {checkpoint.path} does not match its digest {digest[:8]} (the "
