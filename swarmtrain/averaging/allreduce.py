@@ -123,9 +123,9 @@ class AllReduce(GroupExchange):
         )  # fmt: skip
         self.delta = delta
         self.weights = group.weights if weights is None else weights  # a mix's: only the states that count
-        # A signed gossip round's state exchange: each part is one chunk of the state digest (``outer``), and a
-        # reducer takes a member's part only if it hashes to that member's chunk hash, its chunk hashes (sent with
-        # its parts, ``hashes`` mine) to the digest it joined the group with (``digests``).
+        # A signed gossip round's state exchange: shards and parts are whole chunks of the state digest (``outer``),
+        # and a reducer takes a member's part only if its chunks hash to that member's chunk hashes, and those (sent
+        # with its parts; ``hashes``: mine) to the digest it joined the group with (``digests``).
         self.chunk, self.digests, self.hashes = chunk, digests or {}, hashes
         self.chunks_of: dict[str, bytes] = {}  # each sender's chunk hashes, checked against its digest
         self.bounds = group.shard_bounds(delta.numel(), chunk or 1)

@@ -14,7 +14,7 @@ survivors hold the same relays, ask for and get the same proofs, leave the membe
 and ban it. Unsigned, the survivors each kept the first value they held, and the member split the group's
 decision.
 
-A digest is signed twice: over the round's route, as above, and over the round number alone ("held"): the second
+A digest is signed twice: over the round's route, as above, and with the round's number alone ("held"): the second
 is a member's statement that it held that state at the end of that round, which another member can show as the
 certificate of the same state in a later round (``check_held``, ``matchmaking``): a state that an honest peer
 held, not one a member made up.
