@@ -52,6 +52,7 @@ async def test_a_member_bringing_a_state_of_its_own_is_not_mixed_in_and_takes_th
         for outcome in outcomes:
             assert outcome.group.size == 4 and not outcome.group.mixed and not outcome.mixed, (round_, outcome)
             assert outcome.group.counted == (True, True, True, False), (round_, outcome.group)
+            assert outcome.group.certs == {}, outcome.group  # a state most members hold needs none
         assert {o.outcome for o in outcomes[:3]} == {"applied"}, (round_, outcomes)
         assert outcomes[3].outcome == "diverged-resynced", (round_, outcomes[3])
         moved = (honest[0].outer.theta - before).abs().max().item()

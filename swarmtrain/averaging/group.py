@@ -96,8 +96,14 @@ def counted_states(digests: list[str], certified: list[bool]) -> list[bool]:
     """Whose state counts in a mix (``Group.counted``): a certified one, or one that more than half of the members
     hold (a swarm's first round: the honest members share one init, and hostile ones, fewer than half, cannot make
     a state count by all holding it); every one where none does (members that each start from their own init)."""
-    counted = [c or digests.count(d) * 2 > len(digests) for d, c in zip(digests, certified, strict=True)]
+    counted = [c or held_by_most(digests, d) for d, c in zip(digests, certified, strict=True)]
     return counted if any(counted) else [True] * len(digests)
+
+
+def held_by_most(digests: list[str], digest: str) -> bool:
+    """Whether more than half of a group's members hold ``digest``: such a state counts without a certificate, and
+    a leader sends none for it (a one-group swarm's usual round sends none at all)."""
+    return digests.count(digest) * 2 > len(digests)
 
 
 def mixes(digests: list[str], counted: list[bool]) -> bool:

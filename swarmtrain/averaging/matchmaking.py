@@ -23,7 +23,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from swarmtrain.averaging.bans import Bans
-from swarmtrain.averaging.group import Group, counted_states, mixes
+from swarmtrain.averaging.group import Group, counted_states, held_by_most, mixes
 from swarmtrain.errors import IncompatibleSwarm
 from swarmtrain.net import PeerUnreachable, Rejected, RemoteError, RpcTimeout, Transport
 
@@ -426,7 +426,8 @@ class Matchmaker:
         def holds(member: str, digest: str, cert: Any) -> bool:
             return check(member, digest, group.round, cert) is None
 
-        if self.me not in certs and holds(self.me, digests[me], request.get("cert")):
+        mine_needed = not held_by_most(digests, digests[me])
+        if mine_needed and self.me not in certs and holds(self.me, digests[me], request.get("cert")):
             raise Rejected("the group left out my state's certificate")
         certified = [holds(m, d, certs.get(m)) for m, d in zip(group.members, digests, strict=True)]
         if counted != counted_states(digests, certified) or group.mixed != mixes(digests, counted):
@@ -492,7 +493,9 @@ class Matchmaker:
         mixed, counted, certs = len(set(digests)) > 1, [], {}
         if self.check_held is not None:
             check, held = self.check_held, lobby.certs
-            certs = {m: held[m] for m in members if check(m, lobby.digests[m], lobby.round, held.get(m)) is None}
+            # Only where they count for something: the answer is a header, bounded like any (``MAX_HEADER``).
+            needed = [m for m in members if not held_by_most(digests, lobby.digests[m])]
+            certs = {m: held[m] for m in needed if check(m, lobby.digests[m], lobby.round, held.get(m)) is None}
             counted = counted_states(digests, [m in certs for m in members])
             mixed = mixes(digests, counted)
         if deadline_s > 0:
