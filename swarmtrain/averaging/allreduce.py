@@ -286,9 +286,9 @@ class AllReduce(GroupExchange):
                 raise Rejected("bad part: the chunk hashes sent with it are not of the state its sender joined with")
             self.chunks_of[sender] = hashes
         s, e = self._parts(values.numel())[part]
-        data, held = values.view(torch.uint8).numpy(), self.chunks_of[sender]
+        data, held, size = values.view(torch.uint8).numpy(), self.chunks_of[sender], values.element_size()
         for at in range(s, e, self.chunk):  # a part is whole chunks (the last one of the state may be short)
-            index, size = (start + at) // self.chunk, values.element_size()
+            index = (start + at) // self.chunk
             chunk = data[at * size : min(at + self.chunk, e) * size]
             if blake3.blake3(chunk).digest(CHUNK_HASH) != held[index * CHUNK_HASH : (index + 1) * CHUNK_HASH]:
                 raise Rejected(f"bad part: chunk {index} is not the state its sender joined with")

@@ -445,7 +445,7 @@ class Averager:
             group, state, r.exchange_started + r.budget, codec=get_codec("fp32"), tag="/state",
             weights=group.mix_weights, chunk=chunk_numel(state.numel()) if group.counted else 0,
             digests=dict(zip(group.members, group.digests, strict=True)) if group.counted else None,
-            hashes=self.outer.chunk_hashes(),
+            hashes=self.outer.chunk_hashes() if group.counted else b"",
         )  # fmt: skip
         mixing.opens = r.exchange_started
         try:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import random
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -104,6 +105,19 @@ def held_by_most(digests: list[str], digest: str) -> bool:
     """Whether more than half of a group's members hold ``digest``: such a state counts without a certificate, and
     a leader sends none for it (a one-group swarm's usual round sends none at all)."""
     return digests.count(digest) * 2 > len(digests)
+
+
+def whose_state_counts(
+    members: Sequence[str], digests: list[str], certs: dict[str, Any], holds: Callable[[str, str, Any], bool]
+) -> tuple[dict[str, Any], list[bool], bool]:
+    """The rule a leader applies and each member checks: the certificates that count (those of states most members
+    do not hold, that ``holds``), whose state counts (``counted_states``) and whether the group mixes."""
+    kept = {
+        m: certs[m] for m, d in zip(members, digests, strict=True)
+        if m in certs and not held_by_most(digests, d) and holds(m, d, certs[m])
+    }  # fmt: skip
+    counted = counted_states(digests, [m in kept for m in members])
+    return kept, counted, mixes(digests, counted)
 
 
 def mixes(digests: list[str], counted: list[bool]) -> bool:

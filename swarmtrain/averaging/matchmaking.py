@@ -23,7 +23,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from swarmtrain.averaging.bans import Bans
-from swarmtrain.averaging.group import Group, counted_states, held_by_most, mixes
+from swarmtrain.averaging.group import Group, held_by_most, whose_state_counts
 from swarmtrain.errors import IncompatibleSwarm
 from swarmtrain.net import PeerUnreachable, Rejected, RemoteError, RpcTimeout, Transport
 
@@ -65,7 +65,7 @@ class Lobby:
             "deadline_s": group.deadline_s, "age_s": asyncio.get_running_loop().time() - self.formed_at,
         }  # fmt: skip
         if group.counted:
-            answer.update(counted=list(group.counted), digests=list(group.digests), certs=group.certs)
+            answer.update(digests=list(group.digests), certs=group.certs)
         return answer
 
 
@@ -405,17 +405,14 @@ class Matchmaker:
         return group if self.me in group.members else None
 
     def _check_counted(self, group: Group, answer: dict[str, Any], request: dict[str, Any]) -> Group:
-        """``group`` with whose state counts, checked: every certificate the answer holds, whether a state counts
-        and whether the group mixes follow from them and the digests (``counted_states``), my own digest is the one
-        I joined with, and my certificate, if it holds, is among them (a leader that left it out could make a
-        state of its own count where mine should)."""
+        """``group`` with whose state counts, from the digests and certificates in the answer by the leader's own
+        rule (``whose_state_counts``), checked: whether the group mixes follows from them, my own digest is the
+        one I joined with, and my certificate, where it holds and is needed, is among them (a leader that left it
+        out could make a state of its own count where mine should)."""
         check = self.check_held
         assert check is not None
-        counted, digests, certs = answer.get("counted"), answer.get("digests"), answer.get("certs")
-        size = group.size
-        if not isinstance(counted, list) or len(counted) != size or not all(isinstance(c, bool) for c in counted):
-            raise Rejected("the group does not say whose state counts")
-        if not isinstance(digests, list) or len(digests) != size or not all(isinstance(d, str) for d in digests):
+        digests, certs = answer.get("digests"), answer.get("certs")
+        if not isinstance(digests, list) or len(digests) != group.size or not all(isinstance(d, str) for d in digests):
             raise Rejected("the group does not hold its members' digests")
         if not isinstance(certs, dict) or not set(certs) <= set(group.members):
             raise Rejected("malformed certificates")
@@ -426,13 +423,16 @@ class Matchmaker:
         def holds(member: str, digest: str, cert: Any) -> bool:
             return check(member, digest, group.round, cert) is None
 
-        mine_needed = not held_by_most(digests, digests[me])
-        if mine_needed and self.me not in certs and holds(self.me, digests[me], request.get("cert")):
+        kept, counted, mixed = whose_state_counts(group.members, digests, certs, holds)
+        if (
+            not held_by_most(digests, digests[me])
+            and self.me not in kept
+            and holds(self.me, digests[me], request.get("cert"))
+        ):
             raise Rejected("the group left out my state's certificate")
-        certified = [holds(m, d, certs.get(m)) for m, d in zip(group.members, digests, strict=True)]
-        if counted != counted_states(digests, certified) or group.mixed != mixes(digests, counted):
-            raise Rejected("whose state counts, or whether the group mixes, is not what its certificates show")
-        return replace(group, counted=tuple(counted), digests=tuple(digests), certs=certs)
+        if group.mixed != mixed:
+            raise Rejected("whether the group mixes is not what its digests and certificates show")
+        return replace(group, counted=tuple(counted), digests=tuple(digests), certs=kept)
 
     async def _drop_unreachable(self, lobby: Lobby, expected: set[str]) -> None:
         """While the leader waits, forget expected members whose daemon is gone (a crash before joining)."""
@@ -491,13 +491,11 @@ class Matchmaker:
             members = sorted([*members[:-1], self.me])
         digests = [lobby.digests[m] for m in members]
         mixed, counted, certs = len(set(digests)) > 1, [], {}
-        if self.check_held is not None:
-            check, held = self.check_held, lobby.certs
-            # Only where they count for something: the answer is a header, bounded like any (``MAX_HEADER``).
-            needed = [m for m in members if not held_by_most(digests, lobby.digests[m])]
-            certs = {m: held[m] for m in needed if check(m, lobby.digests[m], lobby.round, held.get(m)) is None}
-            counted = counted_states(digests, [m in certs for m in members])
-            mixed = mixes(digests, counted)
+        if (check := self.check_held) is not None:
+            # Certificates only where they count for something: the answer is a header, bounded (``MAX_HEADER``).
+            certs, counted, mixed = whose_state_counts(
+                members, digests, lobby.certs, lambda m, d, cert: check(m, d, lobby.round, cert) is None
+            )  # fmt: skip
         if deadline_s > 0:
             deadline_s = min([deadline_s, *(lobby.caps[m] for m in members if m in lobby.caps)])
         weights = [lobby.joined[m] for m in members]
