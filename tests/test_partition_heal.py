@@ -10,6 +10,7 @@ joins for its round and the next only.
 from __future__ import annotations
 
 import json
+import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -55,9 +56,9 @@ class Split:
     cut_at: float  # wall clock
     healed_at: float
 
-    def together(self) -> set[int]:
+    def together(self, losers: list[str]) -> set[int]:
         """The rounds after the heal that every node took part in, in one group of all of them, with the same
-        digest on every node: one model, not two."""
+        digest on every node: one model, not two. ``losers``: the part whose state the swarm drops."""
         everyone = len(self.rounds)
         held = {
             name: {r["round"]: r["digest"] for r in rows if r["time"] > self.healed_at and r["group_size"] == everyone}
@@ -67,9 +68,23 @@ class Split:
         assert shared, {name: sorted(h) for name, h in held.items()}
         for round_ in shared:
             assert len({h[round_] for h in held.values()}) == 1, (round_, {n: h[round_] for n, h in held.items()})
-        # No round after the heal averaged two states (a mixed round): one part took the other's.
-        assert not [r for rows in self.rounds.values() for r in rows if r["time"] > self.healed_at and "spread" in r]
+        # One part took the other's state: no round after the heal averaged in a state of the part that lost. (The
+        # part that won may still mix states of its own: two of its nodes that each went a round alone while the
+        # heal changed whom they saw hold two states of its line, and a gossip round is how they meet again.)
+        lost = self.states(losers) - self.states([name for name in self.rounds if name not in losers])
+        names = {r["peer_id"]: name for name, rows in self.rounds.items() for r in rows}
+        joined = {name: joined_states(log) for name, log in self.logs.items()}
+        for rows in self.rounds.values():
+            for r in rows:
+                if r["time"] > self.healed_at and "spread" in r:
+                    states = {names[m]: joined[names[m]].get(r["round"]) for m in r["group"]}
+                    assert None not in states.values() and not lost & set(states.values()), (r["round"], states, lost)
         return shared
+
+    def states(self, names: list[str]) -> set[str]:
+        """The states (the digest's first 8 hex digits, as the log has them) ``names`` held after a round since the
+        cut."""
+        return {r["digest"][:8] for name in names for r in self.rounds[name] if r["time"] > self.cut_at}
 
     def at_heal(self, name: str) -> int:
         return max(r["round"] for r in self.rounds[name] if r["time"] < self.healed_at)
@@ -77,6 +92,25 @@ class Split:
     def monotonic(self, name: str) -> bool:
         numbers = [r["round"] for r in self.rounds[name]]
         return numbers == sorted(numbers)
+
+
+ROUND_LINE = re.compile(r"swarmtrain\.node\.node: round (\d+): [\w-]+ in a group of \d+, .*digest ([0-9a-f]{8})$")
+CAUGHT_UP = re.compile(r"(?:caught up with|in step with) the swarm at round \d+ \(digest ([0-9a-f]{8})\)")
+
+
+def joined_states(log: str) -> dict[int, str]:
+    """The state (first 8 hex digits of its digest) a node joined each round with, from its log: the one its last
+    round ended with, or that it caught up to since."""
+    joined: dict[int, str] = {}
+    held = None
+    for line in log.splitlines():
+        if m := ROUND_LINE.search(line):
+            if held is not None:
+                joined[int(m[1])] = held
+            held = m[2]
+        elif m := CAUGHT_UP.search(line):
+            held = m[1]
+    return joined
 
 
 def run_split(tmp_path: Path, text_file: Path, nodes: int, cut: list[str]) -> Split:
@@ -110,7 +144,7 @@ def test_a_node_cut_off_long_enough_to_train_ahead_alone_goes_back_to_the_swarms
     catch-up again and again, adding nothing, until the pair's round reached its own (the pair ignores its
     records: implausibly far ahead). Now it goes back to the pair's round and takes its state."""
     split = run_split(tmp_path, text_file, 3, ["node2"])
-    shared = split.together()
+    shared = split.together(losers=["node2"])
     assert split.monotonic("node0") and split.monotonic("node1")  # the pair kept its model
     highest_alone = max(r["round"] for r in split.rounds["node2"] if r["group_size"] == 1)
     assert min(shared) < highest_alone, (sorted(shared), highest_alone)
@@ -124,7 +158,7 @@ def test_two_parts_alike_in_size_become_one_once_healed_the_one_behind_taking_th
     two pairs each went on in step with itself, and the swarm held two models to the end: neither pair was ever left
     out of a round, so neither caught up. Now the pair behind goes to the state of the pair ahead."""
     split = run_split(tmp_path, text_file, 4, ["node2", "node3"])
-    shared = split.together()
+    shared = split.together(losers=["node0", "node1"])
     assert split.monotonic("node2") and split.monotonic("node3")  # the pair ahead kept its model
     assert min(shared) > split.at_heal("node0") + 1
     # Neither was left out of a round: one of them saw itself off the swarm's line between two rounds (the other may
