@@ -266,6 +266,7 @@ def test_a_shaped_link_sets_the_pace_of_the_rounds_and_leaves_no_namespace_behin
     spec.write_text(text + 'averaging.codec = "fp32"\n')
     out = tmp_path / "out"
     args = [sys.executable, "-m", "swarmtrain", "scenario", "run", str(spec), "--out", str(out)]
+    before = _namespaces()  # another run's, left by a runner that was killed (SIGKILL cannot clean up)
     proc = _run(args, tmp_path / "runner.log", 200 * slowdown())
     assert proc.returncode == 0, (tmp_path / "runner.log").read_text()[-3000:]
     rows = [r for r in _rows(out / "metrics.jsonl") if r["kind"] == "round"]
@@ -273,5 +274,10 @@ def test_a_shaped_link_sets_the_pace_of_the_rounds_and_leaves_no_namespace_behin
     for r in rows:  # a node's update crosses its 1 Mbit/s uplink: the transfer cannot be faster than that
         floor = r["bytes_sent"] * 8 / 1e6
         assert r["phases"]["transfer_s"] >= 0.9 * floor, f"round {r['round']} moved {r['bytes_sent']} B in {r}"
-    netns = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
-    assert not any(line.startswith("st") for line in netns.splitlines()), netns
+    assert _namespaces() <= before, _namespaces() - before
+
+
+def _namespaces() -> set[str]:
+    """The network namespaces of scenario runs (``links.Network``: named st<run id>n<index>)."""
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=True).stdout
+    return {line.split()[0] for line in listed.splitlines() if line.startswith("st")}
