@@ -74,11 +74,10 @@ class Split:
         lost = self.states(losers) - self.states([name for name in self.rounds if name not in losers])
         names = {r["peer_id"]: name for name, rows in self.rounds.items() for r in rows}
         joined = {name: joined_states(log) for name, log in self.logs.items()}
-        for rows in self.rounds.values():
-            for r in rows:
-                if r["time"] > self.healed_at and "spread" in r:
-                    states = {names[m]: joined[names[m]].get(r["round"]) for m in r["group"]}
-                    assert None not in states.values() and not lost & set(states.values()), (r["round"], states, lost)
+        mixed = [r for rows in self.rounds.values() for r in rows if r["time"] > self.healed_at and "spread" in r]
+        for r in mixed:
+            states = {names[m]: joined[names[m]].get(r["round"]) for m in r["group"]}
+            assert None not in states.values() and not lost & set(states.values()), (r["round"], states, lost)
         return shared
 
     def states(self, names: list[str]) -> set[str]:

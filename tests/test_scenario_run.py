@@ -274,7 +274,8 @@ def test_a_shaped_link_sets_the_pace_of_the_rounds_and_leaves_no_namespace_behin
     for r in rows:  # a node's update crosses its 1 Mbit/s uplink: the transfer cannot be faster than that
         floor = r["bytes_sent"] * 8 / 1e6
         assert r["phases"]["transfer_s"] >= 0.9 * floor, f"round {r['round']} moved {r['bytes_sent']} B in {r}"
-    assert _namespaces() <= before, _namespaces() - before
+    left = _namespaces() - before
+    assert not left, left
 
 
 def _namespaces() -> set[str]:
