@@ -14,13 +14,16 @@ from __future__ import annotations
 import asyncio
 import functools
 import random
+from types import SimpleNamespace
 
 import pytest
 import torch
 from hivemind.utils.crypto import RSAPrivateKey
 
-from swarmtrain.averaging import Averager, RoundOutcome, leader_candidates
+from swarmtrain.averaging import Averager, Group, RoundOutcome, leader_candidates
 from swarmtrain.averaging.attack import BIG_WEIGHT, KINDS, Attack
+from swarmtrain.averaging.bans import MUTE_BAN
+from swarmtrain.averaging.exchange import GroupExchange
 from swarmtrain.averaging.matchmaking import EQUAL_WEIGHT, MAX_WEIGHT, PLAUSIBLE_SLACK
 from swarmtrain.averaging.robust import parse_aggregator
 from swarmtrain.averaging.signing import RoundSigner
@@ -135,7 +138,9 @@ async def deviation_per_round(
 # test_private_swarm and test_hostile_nodes); bad-reducer is caught by checks, not bounded by the aggregator, and
 # mute-reducer contributes and reduces honestly but answers no check (both in test_replicated_reduction);
 # own-state contributes honestly but brings a state of its own (test_certified_mix).
-ROUND_KINDS = [k for k in KINDS if k not in ("forge-records", "outsider", "bad-reducer", "mute-reducer", "own-state")]
+ROUND_KINDS = [
+    k for k in KINDS if k not in ("forge-records", "outsider", "bad-reducer", "mute-reducer", "withhold", "own-state")
+]
 
 
 @pytest.mark.parametrize("kind", ROUND_KINDS)
@@ -244,6 +249,72 @@ async def test_a_peer_caught_sending_invalid_payloads_is_banned_from_the_next_ro
     last = outcomes[: len(honest)]
     assert all(o.group.size == len(honest) and o.outcome == "applied" for o in last), last
     assert all(o.group.size == 1 for o in outcomes[len(honest) :])
+
+
+def test_a_member_is_found_withholding_only_where_it_alone_lacks_two_other_reducers_shards_most_reports_hold() -> None:
+    """``GroupExchange.withholders``, from a merged view: one member that holds no hash, or another, for two other
+    reducers' shards that more than half of the reports hold is found. Not where it lacks one other reducer's shard
+    (one hostile reducer can fail an honest member's check of its own shard) or its own, nor where no hash is held
+    by more than half of the reports (a group of two, or two members that each lack another shard)."""
+    group = Group(0, ("a", "b", "c", "m"), (1.0,) * 4)
+
+    def found(view: dict[str, list[str | None]], members: tuple[str, ...] = group.members) -> dict[str, list[int]]:
+        return GroupExchange.withholders(SimpleNamespace(view=view, group=Group(0, members, (1.0,) * len(members))))
+
+    held = ["ha", "hb", "hc", "hm"]
+    honest = {p: list(held) for p in "abc"}
+    assert found({**honest, "m": list(held)}) == {}
+    assert found({**honest, "m": [None, None, None, "hm"]}) == {"m": [0, 1, 2]}
+    assert found({**honest, "m": ["ha", "other", None, "hm"]}) == {"m": [1, 2]}  # another hash withholds too
+    assert found({**honest, "m": [None, "hb", "hc", None]}) == {}  # one other shard, and its own
+    assert found({**honest, "m": [None, "hb", "hc", "hm"], "c": ["ha", None, "hc", "hm"]}) == {}
+    assert found({"a": held[:2], "m": [None, None]}, ("a", "m")) == {}  # two reports: no hash held by most
+    assert found({"a": held, "b": held, "m": [None] * 4}) == {"m": [0, 1, 2]}  # c's report is missing: 2 of 3
+    eight = [f"h{i}" for i in range(8)]
+    view = {str(i): list(eight) for i in range(6)} | {str(i): [None] * 8 for i in (6, 7)}
+    assert found(view, tuple(map(str, range(8)))) == {"6": [0, 1, 2, 3, 4, 5, 7], "7": [0, 1, 2, 3, 4, 5, 6]}
+
+
+async def test_a_member_whose_report_alone_withholds_the_other_shards_stalls_a_round_and_is_banned_in_steps() -> None:
+    """A withholder (attack.kind = withhold: an honest update and reduction, but its report holds no hash for any other
+    reducer's shard, as a member whose every check failed would) in a group of four. A shard applies only where every
+    report holds it, so in a round with it the group applies its shard alone, identically on every member. Unbanned,
+    it stalled the group every round. Every honest member finds it withholding alone and bans it for MUTE_BAN rounds,
+    in which the other three apply every shard; back, it stalls one more round and is banned for
+    averaging.ban_rounds. No honest reducer is made a suspect by it (they would be checked every round)."""
+    averagers = make_group("mean", "withhold", members=4, hostile=1)
+    honest, withholder = averagers[:3], averagers[3]
+    for a in averagers:
+        a.matchmaker.bans.rounds = 20
+        await a.start()
+    peers = [a.me for a in averagers]
+    generator = torch.Generator().manual_seed(7)
+    sizes = []
+    for round_ in range(2 * (MUTE_BAN + 1) + 2):
+        deltas = [torch.randn(NUMEL, generator=generator) for _ in averagers]
+        outcomes = await asyncio.gather(
+            *(
+                a.run_round(d, 1.0, leader_candidates(peers, a.me, 16, "test", a.round), set(peers),
+                            gather_timeout=1.0 if a is withholder else 5.0)  # refused, it waits alone for no one
+                for a, d in zip(averagers, deltas, strict=True)
+            )
+        )  # fmt: skip
+        mine = outcomes[:3]
+        sizes.append(mine[0].group.size)
+        assert len({o.digest for o in mine}) == 1, mine
+        if sizes[-1] == 4:
+            own = mine[0].group.index(withholder.me)
+            assert all(o.decisions == tuple(j == own for j in range(4)) for o in outcomes), outcomes
+        else:
+            assert all(o.decisions == (True,) * 3 for o in mine) and outcomes[3].group.size == 1, outcomes
+        assert all(a.matchmaker.bans.suspects(round_ + 1) == set() for a in honest)
+    again = MUTE_BAN + 1
+    assert sizes == [4] + [3] * MUTE_BAN + [4] + [3] * (len(sizes) - again - 1), sizes
+    what = "alone withheld other reducers' shards that most of its group held in its reports"
+    for a in honest:
+        assert a.matchmaker.bans.reason(withholder.me, again + 1) == (
+            f"banned until round {again + 21}: {what} in rounds 0, {again}"
+        )
 
 
 async def equivocation_round(signed: bool) -> tuple[list[Averager], list[RoundOutcome]]:

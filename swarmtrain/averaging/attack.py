@@ -30,6 +30,10 @@ training literature:
   checks its shard (``averaging.verify``): it holds each check until the round's deadline and refuses it. Each
   check withholds its shard from the whole group, so it would hold its share of the model still; members ban a
   reducer that leaves their checks unanswered (``bans.Bans.strike``).
+- ``withhold``: an honest update and reduction, but its report (``GroupExchange._agree``) holds no hash for any
+  shard but its own, as a member whose checks all failed would. A shard applies only where every report holds it,
+  so its group falls back on every other shard. Unbanned, that stalled its group every round; every member finds
+  it alone withholding (``GroupExchange.withholders``) and bans it in steps (``bans.Bans.withholder``).
 - ``own-state``: an honest update, but before every round it moves its theta_g by ``scale`` times its norm (at
   least that of a vector of ones) along a direction of its own (fixed, seeded), and joins with that state's
   digest: a state no peer held. Mixed in by the plain mean, it pulled the honest theta_g a share of the way there
@@ -54,7 +58,7 @@ from swarmtrain.compression.wire import pack_header
 
 KINDS = (
     "scale", "sign-flip", "nan", "random", "big-weight", "alie", "equivocate", "forge-records", "outsider",
-    "bad-reducer", "mute-reducer", "own-state",
+    "bad-reducer", "mute-reducer", "withhold", "own-state",
 )  # fmt: skip
 BIG_WEIGHT = 1e6
 FORGED_AHEAD = 10
@@ -79,10 +83,12 @@ class Attack:
             return delta * self.scale, weight
         if self.kind == "sign-flip":
             return delta * -self.scale, weight
-        if self.kind in ("nan", "equivocate", "forge-records", "outsider", "bad-reducer", "mute-reducer", "own-state"):
+        if self.kind in (
+            "nan", "equivocate", "forge-records", "outsider", "bad-reducer", "mute-reducer", "withhold", "own-state",
+        ):  # fmt: skip
             # The payloads carry the NaNs (``wrap_codec``); the exchange equivocates; the node forges records or
-            # calls without the swarm's key; the reducer alters its shard (``alter``) or answers no check; the node
-            # brings a state of its own (``steer``).
+            # calls without the swarm's key; the reducer alters its shard (``alter``) or answers no check; the
+            # report withholds every other shard; the node brings a state of its own (``steer``).
             return delta, weight
         if self.kind == "random":
             noise = torch.randn(delta.shape, generator=self._noise)

@@ -111,6 +111,7 @@ class Averager:
         self.equivocate = getattr(attack, "kind", "") == "equivocate"  # tests only: tells members different things
         self.alter = getattr(attack, "alter", None) if getattr(attack, "kind", "") == "bad-reducer" else None
         self.mute = getattr(attack, "kind", "") == "mute-reducer"  # tests only: never shows what it averaged
+        self.withhold = getattr(attack, "kind", "") == "withhold"  # tests only: reports no other shard as held
         self.steer = getattr(attack, "steer", None) if getattr(attack, "kind", "") == "own-state" else None
         # Signs my reports and digests and checks the others' (``signing``): a node always signs, with its identity
         # key; the in-process simulator and most unit tests run unsigned (peer ids there are not keys).
@@ -458,6 +459,7 @@ class Averager:
         r.phases["mix_s"] = _now() - r.exchange_started
         # A member that sent another state than the one it joined with, or a reducer that averaged one.
         self.matchmaker.bans.record({**mixing.invalid, **mixing.equivocators}, r.number)
+        self.matchmaker.bans.withholder(set(mixing.withholders()), r.number)
         numel = self.numel
         # Whether to mix is the reports' agreed decision, the same on every member that decides at all: a member's
         # own view of who died would split the group into mixers and keepers.
@@ -477,7 +479,12 @@ class Averager:
         self.matchmaker.bans.record({**update.invalid, **update.equivocators}, r.number)
         bans, members = self.matchmaker.bans, update.group.members
         bans.strike({members[j] for j, _, how in update.checked if how == "unanswered"}, r.number)
-        held = [[report[j] is not None for report in update.view.values()] for j in range(len(members))]
+        withholders = update.withholders()
+        bans.withholder(set(withholders), r.number)
+        # The reducers whose shard another member withheld are checked from now on; not those a withholder's report
+        # alone withheld (it is banned instead, and would have every shard checked every round).
+        reports = [report for peer, report in update.view.items() if peer not in withholders]
+        held = [[report[j] is not None for report in reports] for j in range(len(members))]
         bans.dispute({members[j] for j, slot in enumerate(held) if any(slot) and not all(slot)}, r.number)
         r.phases.update(result.phases)
         self.outer.step(result.average)
@@ -645,6 +652,7 @@ class Averager:
                 suspects=self.matchmaker.bans.suspects(group.round) if codec is None else (), weights=weights,
                 chunk=chunk, digests=digests, hashes=hashes,
             )  # fmt: skip
+        allreduce.withhold = self.withhold
         route = self._route(allreduce.route)
         if not route.done():
             route.set_result(allreduce)

@@ -6,11 +6,20 @@ or late (but see below). Every member of a group receives the same payloads from
 part, every member the whole all-gathered payload), so the honest members of a group ban the same peer in the
 same round.
 
-One offence is banned in steps (``strike``): a reducer that leaves this node's check of its shard unanswered
-(``averaging.verify``: it sent its results, then did not show what it averaged in time). Each such check withholds
-its shard from the whole group, so a reducer that never answered would hold a share of the model still for as long
-as it stayed. Such a ban lasts ``MUTE_BAN`` rounds (a live reducer may have been slow once), and
-``averaging.ban_rounds`` where it is the ``MUTE_STRIKES``-th within ``MUTE_ROUNDS`` rounds.
+Two offences are banned in steps (``strike``, ``withholder``), because an honest peer commits them too when it
+is slow once, and each costs the whole group shards of a round:
+
+- a reducer that leaves this node's check of its shard unanswered (``averaging.verify``: it sent its results, then
+  did not show what it averaged in time). Each such check withholds its shard from the whole group, so a reducer
+  that never answered would hold a share of the model still for as long as it stayed;
+- a member whose report alone withheld the shards of two or more other reducers (``GroupExchange.withholders``:
+  most of the group's reports held each of them with one hash). A shard applies only where every report holds it,
+  so such a member unbanned would make its group fall back on all those shards every round. One hostile reducer
+  can make an honest member's check of its own shard fail, never of another reducer's: an honest member is struck
+  only when its own checks or its own downlink failed for two reducers at once.
+
+Such a ban lasts ``MUTE_BAN`` rounds (a live peer may have been slow once), and ``averaging.ban_rounds`` where it
+is the ``MUTE_STRIKES``-th of its kind within ``MUTE_ROUNDS`` rounds.
 
 A ban acts in group formation: this node does not join a banned peer as its leader, does not expect it, and
 refuses its joins (code ``banned``, with the reason) while leading. It is this node's own decision, logged with
@@ -42,6 +51,7 @@ class Bans:
         self.rounds = rounds  # 0: no bans
         self.bans: dict[str, Ban] = {}
         self.strikes: dict[str, list[int]] = {}  # peer -> the recent rounds in which it left a check unanswered
+        self.withheld: dict[str, list[int]] = {}  # peer -> the recent rounds in which its report alone withheld shards
         self.disputed: dict[str, int] = {}  # reducer -> the last round some member's report withheld its shard
 
     def record(self, offenders: dict[str, str], round_: int, rounds: int | None = None) -> None:
@@ -64,16 +74,26 @@ class Bans:
     def strike(self, peers: set[str], round_: int) -> None:
         """Each of ``peers`` left a check of its shard unanswered in ``round_``: ban it for ``MUTE_BAN`` rounds,
         or for ``self.rounds`` where that is its ``MUTE_STRIKES``-th such round of the last ``MUTE_ROUNDS``."""
+        once, again = "left a check of its shard unanswered", "left checks of its shard unanswered"
+        self._in_steps(self.strikes, peers, round_, once, again)
+
+    def withholder(self, peers: set[str], round_: int) -> None:
+        """Each of ``peers`` alone withheld, in its report for ``round_``, the shards of two or more other reducers
+        that most of the group held (``GroupExchange.withholders``): banned in steps, as ``strike``."""
+        what = "alone withheld other reducers' shards that most of its group held"
+        self._in_steps(self.withheld, peers, round_, f"{what} in its report", f"{what} in its reports")
+
+    def _in_steps(self, record: dict[str, list[int]], peers: set[str], round_: int, once: str, again: str) -> None:
         for peer in peers - {self.me}:
-            rounds = [r for r in self.strikes.pop(peer, []) if round_ - MUTE_ROUNDS < r < round_] + [round_]
+            rounds = [r for r in record.pop(peer, []) if round_ - MUTE_ROUNDS < r < round_] + [round_]
             if len(rounds) < MUTE_STRIKES:
-                self.strikes[peer] = rounds
-                reason, length = f"left a check of its shard unanswered in round {round_}", min(MUTE_BAN, self.rounds)
+                record[peer] = rounds
+                reason, length = f"{once} in round {round_}", min(MUTE_BAN, self.rounds)
             else:
-                reason, length = f"left checks of its shard unanswered in rounds {', '.join(map(str, rounds))}", None
+                reason, length = f"{again} in rounds {', '.join(map(str, rounds))}", None
             self.record({peer: reason}, round_, length)
-        while len(self.strikes) > MAX_BANS:
-            del self.strikes[next(iter(self.strikes))]
+        while len(record) > MAX_BANS:
+            del record[next(iter(record))]
 
     def dispute(self, reducers: set[str], round_: int) -> None:
         """Some member of my group withheld the shard of each of ``reducers`` in ``round_`` while others held it (its

@@ -192,6 +192,7 @@ class GroupExchange(ABC):
         # signing two values of one kind is left out of the view and banned (``equivocators``: who, and why).
         self.signer = signer
         self.equivocate = equivocate  # tests only (attack.kind = equivocate): tell half the group other values
+        self.withhold = False  # tests only (attack.kind = withhold): report no other reducer's shard as held
         self.values = {kind: Values.of(group.members) for kind in ("report", "digest")}
         self.equivocators: dict[str, str] = {}
         self.checked: list[tuple[int, int, str]] = []  # replicated reduction: (shard, part, ok | wrong | unanswered)
@@ -474,6 +475,8 @@ class GroupExchange(ABC):
 
         Two members' reports are needed: with mine alone I cannot know what anyone else holds or applies.
         """
+        if self.withhold:
+            hashes = [h if j == self.index else None for j, h in enumerate(hashes)]
         deadlines = (self.report_deadline, self.relay_deadline, self.proof_deadline)
         self.view = await self._relayed("report", "hashes", hashes, deadlines)
         reports = list(self.view.values())
@@ -482,6 +485,29 @@ class GroupExchange(ABC):
             for j in range(self.group.size)
         ]
         return self.applied
+
+    def withholders(self) -> dict[str, list[int]]:
+        """The members whose report, in the merged view, alone withheld the shards of two or more other reducers:
+        per member, the slots it held no hash for (or another) where most of the view's reports, two at least, hold
+        one hash. Every member that decided from this view finds the same ones (``Bans.withholder``).
+
+        One member's report that withheld every other shard made its group fall back on all of them, every round,
+        and no one could tell a false withholding from a check that really failed. One hostile reducer makes honest
+        members' checks fail, or sends them other bytes, for its own shard alone; two shards withheld by one member
+        that most of the group held are that member's doing (or its own link's), and it is left out for a while.
+        All-gathered (``AllGather``), a slot is a member's payload rather than a reducer's shard; the rule is the
+        same."""
+        reports = list(self.view.values())
+        most: list[str | None] = []  # per slot, the hash more than half of the reports hold, if any
+        for j in range(self.group.size):
+            top = Counter(report[j] for report in reports if report[j] is not None).most_common(1)
+            most.append(top[0][0] if top and 2 * top[0][1] > len(reports) else None)
+        found = {}
+        for member, held in self.view.items():
+            slots = [j for j, h in enumerate(most) if h not in (None, held[j]) and self.group.members[j] != member]
+            if len(slots) >= 2:
+                found[member] = slots
+        return found
 
     async def _stream(
         self, peer: str, method: str, header: dict[str, Any], frames: AsyncIterator[bytes], count: int, deadline: float
