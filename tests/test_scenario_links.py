@@ -11,7 +11,7 @@ import threading
 import time
 from pathlib import Path
 
-from swarmtrain.scenarios.links import Network
+from swarmtrain.scenarios.links import OWNERS, Network
 
 from .swarm import NEEDS_ROOT_AND_TC
 
@@ -205,3 +205,46 @@ def test_a_lossy_link_drops_the_configured_share_of_packets_each_way() -> None:
     finally:
         net.close()
     assert not [p for p in Path(tempfile.gettempdir()).glob("swarmtrain-bpf-*")]  # each pin's mount is gone
+
+
+# A runner in miniature: one network with one node's namespace; it closes it once its stdin closes.
+RUNNER = """
+import sys
+from swarmtrain.scenarios.links import OWNERS, Network
+net = Network()
+net.add("node0", up_mbit=10, down_mbit=10)
+print(net.id, flush=True)
+sys.stdin.read()
+net.close()
+"""
+
+
+def _ours(id_: str) -> list[str]:
+    """The namespaces and links of network ``id_`` still on this machine."""
+    names = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split()
+    links = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout.splitlines()
+    names += [line.split(": ")[1].split("@")[0] for line in links if ": " in line]
+    return sorted(name for name in names if name.startswith(f"st{id_}"))
+
+
+def test_a_network_whose_runner_was_killed_is_deleted_by_the_next_network_and_a_live_runners_is_kept() -> None:
+    """A runner killed by SIGKILL cannot close its network: the next Network made on the machine deletes its
+    namespaces, veths and bridges, and leaves those of a runner still running."""
+    runners = [
+        subprocess.Popen([sys.executable, "-c", RUNNER], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        for _ in range(2)
+    ]
+    try:
+        killed, live = (r.stdout.readline().strip() for r in runners)  # type: ignore[union-attr]
+        made = ["br", "cut", "h2", "n2"]  # its bridges, the host end of node0's veth, node0's namespace
+        assert _ours(killed) == [f"st{killed}{name}" for name in made], _ours(killed)
+        runners[0].kill()
+        runners[0].wait(timeout=30)
+        net = Network()
+        net.close()
+        assert _ours(killed) == [] and not (OWNERS / killed).exists()
+        assert _ours(live) == [f"st{live}{name}" for name in made] and (OWNERS / live).exists()
+    finally:
+        for runner in runners:
+            runner.communicate(timeout=30)  # the live one closes its network as its stdin closes
+    assert _ours(live) == [] and not (OWNERS / live).exists()

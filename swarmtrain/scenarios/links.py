@@ -14,21 +14,29 @@ delay (up_ms, down_ms) is added by the node's own transport (node.up_delay_ms, n
 (or with ``[swarm] shaper = "transport"``) the rates are the node's transport's too (node.up_mbit,
 node.down_mbit: ``net/rpc.py``'s ``Pacer``), and no namespace is made.
 
-Every name carries a short id of the run, and ``close`` deletes every namespace, veth and bridge it created.
+Every name carries a short id of the run, and ``close`` deletes every namespace, veth and bridge it created. A
+runner that cannot close (killed by SIGKILL or the OOM killer) leaves them behind: each network's owner is kept in
+``OWNERS`` (its pid and that process's start time), and a new network first deletes those of owners no longer
+running (``sweep``).
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import secrets
 import shutil
 import subprocess
 from dataclasses import dataclass
+from pathlib import Path
 
 from swarmtrain.scenarios.bpf import pinned_drop
 from swarmtrain.scenarios.spec import ScenarioError
 
+log = logging.getLogger(__name__)
+
+OWNERS = Path("/run/swarmtrain/networks")  # one file per live network, named by its id: "<pid> <start time>"
 BURST_S = 0.004  # tbf bucket: 4 ms of the rate (at least 16 KiB), so a burst cannot hide the rate for long
 LIMIT_S = 0.25  # tbf queue: 250 ms of the rate before packets drop (TCP backs off, as on a real narrow link)
 
@@ -88,12 +96,53 @@ class Link:
     lossy: bool = False  # a drop filter is attached (a link event to loss 0 removes it)
 
 
+def _started(pid: int) -> str | None:
+    """When process ``pid`` started (clock ticks after boot), or None if there is no such process: a pid alone may
+    have been reused by another process since."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return stat[stat.rindex(")") + 2 :].split()[19]  # field 22; the name before it may hold spaces
+
+
+def _lines(command: list[str]) -> list[str]:
+    return subprocess.run(command, capture_output=True, text=True, check=False).stdout.splitlines()
+
+
+def sweep() -> list[str]:
+    """Delete the namespaces, veths and bridges of networks whose runner is no longer running; returns their ids."""
+    swept = []
+    for owner in sorted(OWNERS.glob("*")) if OWNERS.is_dir() else []:
+        with contextlib.suppress(ValueError, OSError):
+            pid, started = owner.read_text().split()
+            if _started(int(pid)) == started:
+                continue  # its runner is alive: the network is in use
+        prefix = f"st{owner.name}"
+        namespaces = [line.split()[0] for line in _lines(["ip", "netns", "list"]) if line.strip()]
+        links = [line.split(": ")[1].split("@")[0] for line in _lines(["ip", "-o", "link", "show"]) if ": " in line]
+        for command in [["ip", "netns", "del", ns] for ns in namespaces if ns.startswith(f"{prefix}n")] + [
+            ["ip", "link", "del", name] for name in links if name.startswith(prefix)
+        ]:  # a veth goes with its namespace: its host end may be gone by the time it is asked for
+            subprocess.run(command, capture_output=True, check=False)
+        owner.unlink(missing_ok=True)
+        swept.append(owner.name)
+        log.warning("deleted the namespaces and links of scenario network %s: its runner is gone", owner.name)
+    return swept
+
+
 class Network:
     """The bridges, namespaces and veths of one scenario run."""
 
     def __init__(self) -> None:
         check_available()
+        sweep()
+        OWNERS.mkdir(parents=True, exist_ok=True)
         self.id = secrets.token_hex(2)
+        while (OWNERS / self.id).exists():
+            self.id = secrets.token_hex(2)
+        self.owner = OWNERS / self.id
+        self.owner.write_text(f"{os.getpid()} {_started(os.getpid())}")  # before anything is made: see ``sweep``
         self.subnet = f"10.{200 + int(self.id, 16) % 50}.{int(self.id, 16) % 250}"
         self.bridge, self.cut = f"st{self.id}br", f"st{self.id}cut"
         self.host_address = f"{self.subnet}.1"
@@ -159,3 +208,4 @@ class Network:
             command = ["ip", "netns", "del", name] if kind == "netns" else ["ip", "link", "del", name]
             subprocess.run(command, capture_output=True, check=False)  # a veth goes with its namespace too
         self.created.clear()
+        self.owner.unlink(missing_ok=True)
