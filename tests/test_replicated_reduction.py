@@ -218,9 +218,30 @@ def test_a_reducer_left_unanswered_once_is_banned_for_a_short_while_and_for_long
         f"{MUTE_ROUNDS}, {MUTE_ROUNDS + 3}"
     )
     assert bans.suspects(MUTE_ROUNDS + 4) == set()
-    bans.dispute({"withheld", "me"}, 30)  # a member's report withheld its shard: checked, never banned for it
+    bans.dispute({"withheld": {"a"}, "me": {"a"}}, 30)  # a's report withheld its shard: checked, never banned for it
     assert bans.suspects(31) == bans.suspects(30 + MUTE_ROUNDS - 1) == {"withheld"}
     assert bans.suspects(30 + MUTE_ROUNDS) == set() and bans.reason("withheld", 31) is None
+
+
+def test_one_members_withholdings_make_one_reducer_at_a_time_a_suspect() -> None:
+    """A member that withholds one other reducer's shard a round is not banned (``GroupExchange.withholders``), and
+    every member checks a disputed reducer's shard every round. Were each of its withholdings a dispute, one member
+    withholding a different honest shard each round would have every member check every shard every round. A
+    member's report disputes one reducer at a time: another reducer only MUTE_ROUNDS rounds after its last dispute;
+    the same one again, or one another member withheld too, at any time."""
+    bans = Bans("me", rounds=10)
+    bans.dispute({"r1": {"m"}}, 0)
+    bans.dispute({"r2": {"m"}}, 1)
+    bans.dispute({"r3": {"m"}}, 2)
+    assert bans.suspects(3) == {"r1"}
+    bans.dispute({"r2": {"m", "a"}}, 3)  # a withheld it too: disputed, r2 now a's one dispute
+    bans.dispute({"r1": {"m"}}, 5)  # m's dispute of r1 again: kept up
+    assert bans.suspects(6) == {"r1", "r2"}
+    bans.dispute({"r3": {"m", "a"}}, 6)  # both disputed another reducer lately
+    bans.dispute({"r3": {"m"}}, 5 + MUTE_ROUNDS - 1)
+    assert "r3" not in bans.suspects(5 + MUTE_ROUNDS)
+    bans.dispute({"r3": {"m"}}, 5 + MUTE_ROUNDS)
+    assert bans.suspects(5 + MUTE_ROUNDS + 1) == {"r3"}
 
 
 async def test_a_check_that_comes_after_the_reducers_round_is_refused_and_not_answered_with_nothing() -> None:

@@ -483,9 +483,9 @@ class Averager:
         bans.withholder(set(withholders), r.number)
         # The reducers whose shard another member withheld are checked from now on; not those a withholder's report
         # alone withheld (it is banned instead, and would have every shard checked every round).
-        reports = [report for peer, report in update.view.items() if peer not in withholders]
-        held = [[report[j] is not None for report in reports] for j in range(len(members))]
-        bans.dispute({members[j] for j, slot in enumerate(held) if any(slot) and not all(slot)}, r.number)
+        reports = {peer: report for peer, report in update.view.items() if peer not in withholders}
+        withheld = {m: {p for p, report in reports.items() if report[j] is None} for j, m in enumerate(members)}
+        bans.dispute({m: peers for m, peers in withheld.items() if 0 < len(peers) < len(reports)}, r.number)
         r.phases.update(result.phases)
         self.outer.step(result.average)
         self._skew(r.number)

@@ -53,6 +53,7 @@ class Bans:
         self.strikes: dict[str, list[int]] = {}  # peer -> the recent rounds in which it left a check unanswered
         self.withheld: dict[str, list[int]] = {}  # peer -> the recent rounds in which its report alone withheld shards
         self.disputed: dict[str, int] = {}  # reducer -> the last round some member's report withheld its shard
+        self.accused: dict[str, tuple[int, str]] = {}  # member -> the round and reducer it last disputed
 
     def record(self, offenders: dict[str, str], round_: int, rounds: int | None = None) -> None:
         """Ban each of ``offenders`` (peer -> reason) from round ``round_ + 1`` for ``rounds`` rounds (by default
@@ -95,16 +96,31 @@ class Bans:
         while len(record) > MAX_BANS:
             del record[next(iter(record))]
 
-    def dispute(self, reducers: set[str], round_: int) -> None:
-        """Some member of my group withheld the shard of each of ``reducers`` in ``round_`` while others held it (its
-        check failed, or the shard did not reach it). No ban (a hostile member may withhold anyone's shard), but I
-        check their shards myself from now on: a reducer mute to checks is banned by every member that checks it,
-        the leader included, instead of after the rounds in which each happened to pick it."""
-        for peer in reducers - {self.me}:
-            self.disputed.pop(peer, None)
-            self.disputed[peer] = round_
-        while len(self.disputed) > MAX_BANS:
-            del self.disputed[next(iter(self.disputed))]
+    def dispute(self, withheld: dict[str, set[str]], round_: int) -> None:
+        """In ``round_`` the report of each member in ``withheld[reducer]`` withheld that reducer's shard while others
+        held it (its check failed, or the shard did not reach it). No ban (a hostile member may withhold anyone's
+        shard), but I check the reducer's shard myself from now on: a reducer mute to checks is banned by every
+        member that checks it, the leader included, instead of after the rounds in which each happened to pick it.
+
+        A member's withholdings make one reducer at a time a suspect: one whose report disputed another reducer in
+        the last ``MUTE_ROUNDS`` rounds disputes no new one. Withholding one other honest reducer's shard a round,
+        in turn, one member once made every reducer a suspect, and every member checked every shard every round."""
+        for reducer, members in withheld.items():
+            accusers = [m for m in members if self._may_accuse(m, reducer, round_)]
+            if reducer == self.me or not accusers:
+                continue
+            for member in accusers:
+                self.accused.pop(member, None)
+                self.accused[member] = (round_, reducer)
+            self.disputed.pop(reducer, None)
+            self.disputed[reducer] = round_
+        for record in (self.disputed, self.accused):
+            while len(record) > MAX_BANS:
+                del record[next(iter(record))]
+
+    def _may_accuse(self, member: str, reducer: str, round_: int) -> bool:
+        last = self.accused.get(member)
+        return last is None or last[1] == reducer or last[0] <= round_ - MUTE_ROUNDS
 
     def suspects(self, round_: int) -> set[str]:
         """The peers that left a check of mine unanswered, or whose shard a member withheld (``dispute``), within the
