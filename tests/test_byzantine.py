@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import functools
 import random
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -23,7 +22,7 @@ from hivemind.utils.crypto import RSAPrivateKey
 from swarmtrain.averaging import Averager, Group, RoundOutcome, leader_candidates
 from swarmtrain.averaging.attack import BIG_WEIGHT, KINDS, Attack
 from swarmtrain.averaging.bans import MUTE_BAN
-from swarmtrain.averaging.exchange import GroupExchange
+from swarmtrain.averaging.exchange import disputes, withholders
 from swarmtrain.averaging.matchmaking import EQUAL_WEIGHT, MAX_WEIGHT, PLAUSIBLE_SLACK
 from swarmtrain.averaging.robust import parse_aggregator
 from swarmtrain.averaging.signing import RoundSigner
@@ -253,14 +252,14 @@ async def test_a_peer_caught_sending_invalid_payloads_is_banned_from_the_next_ro
 
 
 def test_a_member_is_found_withholding_only_where_it_alone_lacks_two_other_reducers_shards_most_reports_hold() -> None:
-    """``GroupExchange.withholders``, from a merged view: one member that holds no hash, or another, for two other
+    """``exchange.withholders``, from a merged view: one member that holds no hash, or another, for two other
     reducers' shards that more than half of the reports hold is found. Not where it lacks one other reducer's shard
     (one hostile reducer can fail an honest member's check of its own shard) or its own, nor where no hash is held
     by more than half of the reports (a group of two, or two members that each lack another shard)."""
     group = Group(0, ("a", "b", "c", "m"), (1.0,) * 4)
 
     def found(view: dict[str, list[str | None]], members: tuple[str, ...] = group.members) -> dict[str, list[int]]:
-        return GroupExchange.withholders(SimpleNamespace(view=view, group=Group(0, members, (1.0,) * len(members))))
+        return withholders(view, members)
 
     held = ["ha", "hb", "hc", "hm"]
     honest = {p: list(held) for p in "abc"}
@@ -274,6 +273,21 @@ def test_a_member_is_found_withholding_only_where_it_alone_lacks_two_other_reduc
     eight = [f"h{i}" for i in range(8)]
     view = {str(i): list(eight) for i in range(6)} | {str(i): [None] * 8 for i in (6, 7)}
     assert found(view, tuple(map(str, range(8)))) == {"6": [0, 1, 2, 3, 4, 5, 7], "7": [0, 1, 2, 3, 4, 5, 6]}
+
+
+def test_a_shard_some_reports_withheld_is_disputed_by_those_members_but_not_by_a_withholders() -> None:
+    """``exchange.disputes``: per reducer whose shard some reports held no hash for while others held it, the members
+    that withheld it (``Bans.dispute`` makes one reducer at a time a suspect per member). A withholder's report
+    disputes nothing (it is banned instead); a shard every report lacks (its reducer died) is no dispute."""
+    members = ("a", "b", "c", "m")
+    held = ["ha", "hb", "hc", "hm"]
+    view = {"a": list(held), "b": ["ha", None, "hc", "hm"], "c": ["ha", None, "hc", "hm"], "m": list(held)}
+    assert disputes(view, members) == {"b": {"b", "c"}}
+    assert disputes({**view, "m": [None, "hb", "hc", "hm"]}, members) == {"a": {"m"}, "b": {"b", "c"}}
+    lone = {p: list(held) for p in "abc"} | {"m": [None, None, None, "hm"]}
+    assert disputes(lone, members) == {}
+    dead = {p: ["ha", "hb", None, "hm"] for p in "abm"}
+    assert disputes(dead, ("a", "b", "c", "m")) == {}
 
 
 async def test_a_member_whose_report_alone_withholds_the_other_shards_stalls_a_round_and_is_banned_in_steps() -> None:

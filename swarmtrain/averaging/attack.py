@@ -33,7 +33,7 @@ training literature:
 - ``withhold``: an honest update and reduction, but its report (``GroupExchange._agree``) holds no hash for any
   shard but its own, as a member whose checks all failed would. A shard applies only where every report holds it,
   so its group falls back on every other shard. Unbanned, that stalled its group every round; every member finds
-  it alone withholding (``GroupExchange.withholders``) and bans it in steps (``bans.Bans.withholder``).
+  it alone withholding (``exchange.withholders``) and bans it in steps (``bans.Bans.withholder``).
 - ``own-state``: an honest update, but before every round it moves its theta_g by ``scale`` times its norm (at
   least that of a vector of ones) along a direction of its own (fixed, seeded), and joins with that state's
   digest: a state no peer held. Mixed in by the plain mean, it pulled the honest theta_g a share of the way there

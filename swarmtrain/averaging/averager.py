@@ -22,7 +22,7 @@ import torch
 from swarmtrain.averaging.allgather import AllGather, plan_segments
 from swarmtrain.averaging.allreduce import AllReduce
 from swarmtrain.averaging.bans import Bans
-from swarmtrain.averaging.exchange import AllReduceResult, GroupExchange, Unsettled
+from swarmtrain.averaging.exchange import AllReduceResult, GroupExchange, Unsettled, disputes, withholders
 from swarmtrain.averaging.group import Group
 from swarmtrain.averaging.matchmaking import MAX_WEIGHT, PROBE_AFTER_S, Matchmaker
 from swarmtrain.averaging.outer import OuterOptimizer, chunk_numel
@@ -459,7 +459,7 @@ class Averager:
         r.phases["mix_s"] = _now() - r.exchange_started
         # A member that sent another state than the one it joined with, or a reducer that averaged one.
         self.matchmaker.bans.record({**mixing.invalid, **mixing.equivocators}, r.number)
-        self.matchmaker.bans.withholder(set(mixing.withholders()), r.number)
+        self.matchmaker.bans.withholder(set(withholders(mixing.view, group.members)), r.number)
         numel = self.numel
         # Whether to mix is the reports' agreed decision, the same on every member that decides at all: a member's
         # own view of who died would split the group into mixers and keepers.
@@ -479,13 +479,8 @@ class Averager:
         self.matchmaker.bans.record({**update.invalid, **update.equivocators}, r.number)
         bans, members = self.matchmaker.bans, update.group.members
         bans.strike({members[j] for j, _, how in update.checked if how == "unanswered"}, r.number)
-        withholders = update.withholders()
-        bans.withholder(set(withholders), r.number)
-        # The reducers whose shard another member withheld are checked from now on; not those a withholder's report
-        # alone withheld (it is banned instead, and would have every shard checked every round).
-        reports = {peer: report for peer, report in update.view.items() if peer not in withholders}
-        withheld = {m: {p for p, report in reports.items() if report[j] is None} for j, m in enumerate(members)}
-        bans.dispute({m: peers for m, peers in withheld.items() if 0 < len(peers) < len(reports)}, r.number)
+        bans.withholder(set(withholders(update.view, members)), r.number)
+        bans.dispute(disputes(update.view, members), r.number)
         r.phases.update(result.phases)
         self.outer.step(result.average)
         self._skew(r.number)

@@ -12,7 +12,7 @@ is slow once, and each costs the whole group shards of a round:
 - a reducer that leaves this node's check of its shard unanswered (``averaging.verify``: it sent its results, then
   did not show what it averaged in time). Each such check withholds its shard from the whole group, so a reducer
   that never answered would hold a share of the model still for as long as it stayed;
-- a member whose report alone withheld the shards of two or more other reducers (``GroupExchange.withholders``:
+- a member whose report alone withheld the shards of two or more other reducers (``exchange.withholders``:
   most of the group's reports held each of them with one hash). A shard applies only where every report holds it,
   so such a member unbanned would make its group fall back on all those shards every round. One hostile reducer
   can make an honest member's check of its own shard fail, never of another reducer's: an honest member is struck
@@ -80,7 +80,7 @@ class Bans:
 
     def withholder(self, peers: set[str], round_: int) -> None:
         """Each of ``peers`` alone withheld, in its report for ``round_``, the shards of two or more other reducers
-        that most of the group held (``GroupExchange.withholders``): banned in steps, as ``strike``."""
+        that most of the group held (``exchange.withholders``): banned in steps, as ``strike``."""
         what = "alone withheld other reducers' shards that most of its group held"
         self._in_steps(self.withheld, peers, round_, f"{what} in its report", f"{what} in its reports")
 

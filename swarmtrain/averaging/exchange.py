@@ -8,7 +8,7 @@ import asyncio
 import logging
 from abc import ABC, abstractmethod
 from collections import Counter
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -152,6 +152,40 @@ class AllReduceResult:
     @property
     def complete(self) -> bool:
         return all(self.applied) and not self.excluded
+
+
+def withholders(view: Mapping[str, list[str | None]], members: Sequence[str]) -> dict[str, list[int]]:
+    """The members whose report, in a round's merged view of reports (``GroupExchange.view``), alone withheld the
+    shards of two or more other reducers: per member, the slots it held no hash for (or another) where more than
+    half of the view's reports (two at least) hold one hash. Every member that decided from this view finds the same
+    ones (``Bans.withholder``).
+
+    One member's report that withheld every other shard made its group fall back on all of them, every round, and no
+    one could tell a false withholding from a check that really failed. One hostile reducer makes honest members'
+    checks fail, or sends them other bytes, for its own shard alone; two shards withheld by one member that most of
+    the group held are that member's doing (or its own link's), and it is left out for a while. All-gathered
+    (``AllGather``), a slot is a member's payload rather than a reducer's shard; the rule is the same."""
+    reports = list(view.values())
+    most: list[str | None] = []  # per slot, the hash more than half of the reports hold, if any
+    for j in range(len(members)):
+        top = Counter(report[j] for report in reports if report[j] is not None).most_common(1)
+        most.append(top[0][0] if top and 2 * top[0][1] > len(reports) else None)
+    found = {}
+    for member, held in view.items():
+        slots = [j for j, h in enumerate(most) if h not in (None, held[j]) and members[j] != member]
+        if len(slots) >= 2:
+            found[member] = slots
+    return found
+
+
+def disputes(view: Mapping[str, list[str | None]], members: Sequence[str]) -> dict[str, set[str]]:
+    """Per reducer whose shard some reports in ``view`` held no hash for while others held it: the members whose
+    reports withheld it (``Bans.dispute``). A withholder's report (``withholders``) disputes nothing: it is banned
+    instead, and would have every shard checked every round."""
+    lone = withholders(view, members)
+    reports = {peer: report for peer, report in view.items() if peer not in lone}
+    withheld = {m: {peer for peer, report in reports.items() if report[j] is None} for j, m in enumerate(members)}
+    return {m: peers for m, peers in withheld.items() if 0 < len(peers) < len(reports)}
 
 
 class GroupExchange(ABC):
@@ -485,29 +519,6 @@ class GroupExchange(ABC):
             for j in range(self.group.size)
         ]
         return self.applied
-
-    def withholders(self) -> dict[str, list[int]]:
-        """The members whose report, in the merged view, alone withheld the shards of two or more other reducers:
-        per member, the slots it held no hash for (or another) where most of the view's reports, two at least, hold
-        one hash. Every member that decided from this view finds the same ones (``Bans.withholder``).
-
-        One member's report that withheld every other shard made its group fall back on all of them, every round,
-        and no one could tell a false withholding from a check that really failed. One hostile reducer makes honest
-        members' checks fail, or sends them other bytes, for its own shard alone; two shards withheld by one member
-        that most of the group held are that member's doing (or its own link's), and it is left out for a while.
-        All-gathered (``AllGather``), a slot is a member's payload rather than a reducer's shard; the rule is the
-        same."""
-        reports = list(self.view.values())
-        most: list[str | None] = []  # per slot, the hash more than half of the reports hold, if any
-        for j in range(self.group.size):
-            top = Counter(report[j] for report in reports if report[j] is not None).most_common(1)
-            most.append(top[0][0] if top and 2 * top[0][1] > len(reports) else None)
-        found = {}
-        for member, held in self.view.items():
-            slots = [j for j, h in enumerate(most) if h not in (None, held[j]) and self.group.members[j] != member]
-            if len(slots) >= 2:
-                found[member] = slots
-        return found
 
     async def _stream(
         self, peer: str, method: str, header: dict[str, Any], frames: AsyncIterator[bytes], count: int, deadline: float
