@@ -87,15 +87,17 @@ def make_group(
 
 
 async def play_round(
-    averagers: list[Averager], deltas: list[torch.Tensor], weights: list[float]
+    averagers: list[Averager], deltas: list[torch.Tensor], weights: list[float], banned: Averager | None = None
 ) -> list[RoundOutcome]:
+    """One round of every member; ``banned`` waits 1 s for its group, not 5 (refused, it waits alone for no one)."""
     peers = [a.me for a in averagers]
     return await asyncio.gather(
         *(
-            a.run_round(d, w, leader_candidates(peers, a.me, 16, "test", a.round), set(peers), gather_timeout=5.0)
+            a.run_round(d, w, leader_candidates(peers, a.me, 16, "test", a.round), set(peers),
+                        gather_timeout=1.0 if a is banned else 5.0)
             for a, d, w in zip(averagers, deltas, weights, strict=True)
         )
-    )
+    )  # fmt: skip
 
 
 async def deviation_per_round(
@@ -302,18 +304,11 @@ async def test_a_member_whose_report_alone_withholds_the_other_shards_stalls_a_r
     for a in averagers:
         a.matchmaker.bans.rounds = 20
         await a.start()
-    peers = [a.me for a in averagers]
     generator = torch.Generator().manual_seed(7)
     sizes = []
     for round_ in range(2 * (MUTE_BAN + 1) + 2):
         deltas = [torch.randn(NUMEL, generator=generator) for _ in averagers]
-        outcomes = await asyncio.gather(
-            *(
-                a.run_round(d, 1.0, leader_candidates(peers, a.me, 16, "test", a.round), set(peers),
-                            gather_timeout=1.0 if a is withholder else 5.0)  # refused, it waits alone for no one
-                for a, d in zip(averagers, deltas, strict=True)
-            )
-        )  # fmt: skip
+        outcomes = await play_round(averagers, deltas, [1.0] * 4, banned=withholder)
         mine = outcomes[:3]
         sizes.append(mine[0].group.size)
         assert len({o.digest for o in mine}) == 1, mine

@@ -160,14 +160,7 @@ async def test_a_reducer_that_never_shows_what_it_averaged_is_banned_and_the_gro
     sizes = []
     for round_ in range(20):
         deltas = [torch.randn(NUMEL, generator=generator) for _ in averagers]
-        peers = [a.me for a in averagers]
-        outcomes = await asyncio.gather(
-            *(
-                a.run_round(d, 1.0, leader_candidates(peers, a.me, 16, "test", a.round), set(peers),
-                            gather_timeout=1.0 if a is mute else 5.0)  # refused, it waits alone for no one
-                for a, d in zip(averagers, deltas, strict=True)
-            )
-        )  # fmt: skip
+        outcomes = await play_round(averagers, deltas, [1.0] * 4, banned=mute)
         mine = outcomes[:3]
         sizes.append(mine[0].group.size)
         assert len({o.digest for o in mine}) == 1, mine
