@@ -284,12 +284,16 @@ def test_a_shard_some_reports_withheld_is_disputed_by_those_members_but_not_by_a
     members = ("a", "b", "c", "m")
     held = ["ha", "hb", "hc", "hm"]
     view = {"a": list(held), "b": ["ha", None, "hc", "hm"], "c": ["ha", None, "hc", "hm"], "m": list(held)}
-    assert disputes(view, members) == {"b": {"b", "c"}}
-    assert disputes({**view, "m": [None, "hb", "hc", "hm"]}, members) == {"a": {"m"}, "b": {"b", "c"}}
+
+    def disputed(view: dict[str, list[str | None]]) -> dict[str, set[str]]:
+        return disputes(view, members, set(withholders(view, members)))
+
+    assert disputed(view) == {"b": {"b", "c"}}
+    assert disputed({**view, "m": [None, "hb", "hc", "hm"]}) == {"a": {"m"}, "b": {"b", "c"}}
     lone = {p: list(held) for p in "abc"} | {"m": [None, None, None, "hm"]}
-    assert disputes(lone, members) == {}
+    assert disputed(lone) == {}
     dead = {p: ["ha", "hb", None, "hm"] for p in "abm"}
-    assert disputes(dead, ("a", "b", "c", "m")) == {}
+    assert disputed(dead) == {}
 
 
 async def test_a_member_whose_report_alone_withholds_the_other_shards_stalls_a_round_and_is_banned_in_steps() -> None:

@@ -479,8 +479,9 @@ class Averager:
         self.matchmaker.bans.record({**update.invalid, **update.equivocators}, r.number)
         bans, members = self.matchmaker.bans, update.group.members
         bans.strike({members[j] for j, _, how in update.checked if how == "unanswered"}, r.number)
-        bans.withholder(set(withholders(update.view, members)), r.number)
-        bans.dispute(disputes(update.view, members), r.number)
+        lone = set(withholders(update.view, members))
+        bans.withholder(lone, r.number)
+        bans.dispute(disputes(update.view, members, lone), r.number)
         r.phases.update(result.phases)
         self.outer.step(result.average)
         self._skew(r.number)

@@ -8,7 +8,7 @@ import asyncio
 import logging
 from abc import ABC, abstractmethod
 from collections import Counter
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -178,11 +178,12 @@ def withholders(view: Mapping[str, list[str | None]], members: Sequence[str]) ->
     return found
 
 
-def disputes(view: Mapping[str, list[str | None]], members: Sequence[str]) -> dict[str, set[str]]:
+def disputes(
+    view: Mapping[str, list[str | None]], members: Sequence[str], lone: Collection[str]
+) -> dict[str, set[str]]:
     """Per reducer whose shard some reports in ``view`` held no hash for while others held it: the members whose
-    reports withheld it (``Bans.dispute``). A withholder's report (``withholders``) disputes nothing: it is banned
-    instead, and would have every shard checked every round."""
-    lone = withholders(view, members)
+    reports withheld it (``Bans.dispute``). A withholder's report (``lone``: ``withholders``) disputes nothing: it is
+    banned instead, and would have every shard checked every round."""
     reports = {peer: report for peer, report in view.items() if peer not in lone}
     withheld = {m: {peer for peer, report in reports.items() if report[j] is None} for j, m in enumerate(members)}
     return {m: peers for m, peers in withheld.items() if 0 < len(peers) < len(reports)}

@@ -113,14 +113,14 @@ def _lines(command: list[str]) -> list[str]:
 def sweep() -> list[str]:
     """Delete the namespaces, veths and bridges of networks whose runner is no longer running; returns their ids."""
     swept = []
+    namespaces = [line.split()[0] for line in _lines(["ip", "netns", "list"]) if line.strip()]
+    links = [line.split(": ")[1].split("@")[0] for line in _lines(["ip", "-o", "link", "show"]) if ": " in line]
     for owner in sorted(OWNERS.glob("*")) if OWNERS.is_dir() else []:
         with contextlib.suppress(ValueError, OSError):
             pid, started = owner.read_text().split()
             if _started(int(pid)) == started:
                 continue  # its runner is alive: the network is in use
         prefix = f"st{owner.name}"
-        namespaces = [line.split()[0] for line in _lines(["ip", "netns", "list"]) if line.strip()]
-        links = [line.split(": ")[1].split("@")[0] for line in _lines(["ip", "-o", "link", "show"]) if ": " in line]
         for command in [["ip", "netns", "del", ns] for ns in namespaces if ns.startswith(f"{prefix}n")] + [
             ["ip", "link", "del", name] for name in links if name.startswith(prefix)
         ]:  # a veth goes with its namespace: its host end may be gone by the time it is asked for
