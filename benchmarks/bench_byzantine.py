@@ -4,10 +4,12 @@
     PYTHONPATH=. python benchmarks/bench_byzantine.py --with-mean   # and each attack against the plain mean (~13 min)
     PYTHONPATH=. python benchmarks/bench_byzantine.py --rounds 4 --kinds scale --hostile 2
     PYTHONPATH=. python benchmarks/bench_byzantine.py --kinds bad-reducer --verify 1   # fewer checks than the default
+    PYTHONPATH=. python benchmarks/bench_byzantine.py --kinds --group-size 4 --rounds 24   # gossip, clean runs only
 
 In process, over the in-memory transport (``MemoryNetwork``): eight real ``Averager``s and eight real trainers
 (``swarmtrain.node.inner``, the standard trainer) of one small model on the default corpus, trained in turn on
-this machine; a round is H inner steps per member, then one group round of all eight (DiLoCo outer step: Nesterov,
+this machine; a round is H inner steps per member, then one group round of all eight (or, with ``--group-size``
+below 8, gossip: groups of that size that change every round, and mix their states; DiLoCo outer step: Nesterov,
 lr 0.7, momentum 0.9, fp16 updates) with a node's default bans (``averaging.ban_rounds``), reports and digests
 signed with identity keys as a node's are, and each member checking ``--verify`` parts of other reducers'
 shards a round (``averaging.verify``; it changes nothing where every reducer is honest). Hostile members train
@@ -16,8 +18,9 @@ banned one trains and waits alone until its ban ends. Real node processes run th
 in a node's config); this benchmark stays in process so that one run of all of it fits in minutes on 2 cores.
 
 Per run: the final held-out bits per byte of theta_g (an honest member's), whether any honest theta_g was ever
-non-finite, and whether the honest members held identical theta_g after every round (one digest). The verdict
-column compares with the clean run's bpb under the plain mean (exact DiLoCo): within 5 %, finite, identical.
+non-finite, and whether the honest members of each group held identical theta_g after every round (one digest).
+The verdict column compares with the clean run's bpb under the plain mean (exact DiLoCo): within 5 %, finite,
+identical.
 """
 
 from __future__ import annotations
@@ -65,7 +68,8 @@ def identities() -> list[tuple[str, RSAPrivateKey]]:
 
 
 async def one_run(
-    config, corpus, keys, aggregator: str, kind: str | None, hostile: int, rounds: int, steps: int, verify: float
+    config, corpus, keys, aggregator: str, kind: str | None, hostile: int, rounds: int, steps: int, verify: float,
+    group_size: int,
 ) -> dict:  # fmt: skip
     net = MemoryNetwork()
     trainers = [build_inner_loop(config, corpus, data_seed=i) for i in range(MEMBERS)]
@@ -79,7 +83,7 @@ async def one_run(
                 net.transport(peer),
                 theta0.clone(),
                 run_id="bench",
-                group_size=16,
+                group_size=group_size,
                 outer_lr=0.7,
                 outer_momentum=0.9,
                 codec_up=attack.wrap_codec(codec) if attack else codec,
@@ -107,13 +111,15 @@ async def one_run(
             _, tokens, _ = t.run(steps)
             deltas.append(a.outer.theta - t.vector())
             weights.append(float(tokens))
+        candidates = [leader_candidates(peers, a.me, group_size, "bench", a.round) for a in averagers]
         outcomes = await asyncio.gather(
             *(
-                a.run_round(d, w, leader_candidates(peers, a.me, 16, "bench", a.round), set(peers), gather_timeout=2.0)
-                for a, d, w in zip(averagers, deltas, weights, strict=True)
+                a.run_round(d, w, c, set(c), gather_timeout=2.0)  # as a node: its gossip group is whom it expects
+                for a, d, w, c in zip(averagers, deltas, weights, candidates, strict=True)
             )
         )
-        identical &= len({o.digest for o in outcomes[:honest]}) == 1
+        groups = {o.group.group_id for o in outcomes[:honest]}
+        identical &= all(len({o.digest for o in outcomes[:honest] if o.group.group_id == g}) == 1 for g in groups)
         finite &= all(bool(torch.isfinite(a.outer.theta).all()) for a in averagers[:honest])
     trainers[0].load_vector(averagers[0].outer.theta)
     bpb = trainers[0].evaluate() if finite else math.nan
@@ -136,6 +142,9 @@ def main() -> None:
         "--verify", type=float, default=PUBLIC_VERIFY,
         help="averaging.verify of every member (bad-reducer is caught by it); default: a public swarm's",
     )  # fmt: skip
+    parser.add_argument(
+        "--group-size", type=int, default=16, help="averaging.group_size; below 8, gossip groups that mix their states"
+    )
     parser.add_argument("--threads", type=int, default=1, help="torch threads (1 was fastest on 2 busy cores)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.ERROR)  # the refused payloads of the hostile members are expected here
@@ -150,14 +159,18 @@ def main() -> None:
             runs += [("mean", kind, hostile) for kind in args.kinds]
     print(
         f"{MEMBERS} members, {args.rounds} rounds x H={args.steps}, model depth 2 width 64, fp16 updates, "
-        f"verify {args.verify:g}"
+        f"verify {args.verify:g}, group size {args.group_size}"
     )
     print("| aggregator | attack | hostile | final bpb | vs clean mean | finite | identical | verdict | s |")
     print("|---|---|---|---|---|---|---|---|---|")
     clean = None
     for aggregator, kind, hostile in runs:
         started = time.perf_counter()
-        r = asyncio.run(one_run(config, corpus, keys, aggregator, kind, hostile, args.rounds, args.steps, args.verify))
+        r = asyncio.run(
+            one_run(
+                config, corpus, keys, aggregator, kind, hostile, args.rounds, args.steps, args.verify, args.group_size
+            )
+        )  # fmt: skip
         clean = clean if clean is not None else r["bpb"]
         gap = r["bpb"] / clean - 1
         ok = r["finite"] and r["identical"] and gap <= 0.05
