@@ -3,7 +3,9 @@
 A member's theta_g digest in its join is its own claim. Signed, a state counts in a mix only where another peer
 certified that it held it at the end of a recent round, or most members of the group hold it (or no member's
 state does either: a swarm's first rounds). So a member cannot bring a state of its own into an honest group and
-pull it there; a member with a certified state of another gossip line still mixes with the others. In process
+pull it there; a member with a certified state of another gossip line still mixes with the others. Any key can
+certify, so a public swarm also mixes states with its robust aggregator: a state certified by its own holder's
+second key counts, and moves nothing where most members hold one state. In process
 (memory transport), members signing with identity keys as nodes do; FedAvg outer step (lr 1, no momentum).
 """
 
@@ -60,6 +62,36 @@ async def test_a_member_bringing_a_state_of_its_own_is_not_mixed_in_and_takes_th
         assert all(torch.equal(a.outer.theta, honest[0].outer.theta) for a in averagers), round_
 
 
+@pytest.mark.parametrize(("members", "hostile"), [(4, 1), (8, 3)])
+async def test_a_state_certified_by_its_holders_second_identity_counts_but_moves_no_robust_mix(
+    members: int, hostile: int
+) -> None:
+    """``hostile`` of ``members`` (attack.kind = self-certified) each move their theta_g 10 times its norm away
+    before every round and join with a certificate of that state signed by a second key of their own: a peer id
+    that never runs, which the certificate check cannot tell from a real peer's. Their states count and the group
+    mixes. The public default mixes states with its robust aggregator: most members hold the honest state, so the
+    mix is that state exactly (under the plain mean each hostile state pulled it 1 / ``members`` of the way), the
+    honest theta_g moves by the round's update alone and every member ends on one state."""
+    averagers = make_group("centered-clip", "self-certified", members=members, hostile=hostile)
+    for a in averagers:
+        await a.start()
+    honest = averagers[: members - hostile]
+    generator = torch.Generator().manual_seed(5)
+    for round_ in range(3):
+        deltas = [0.01 * torch.randn(NUMEL, generator=generator) for _ in averagers]
+        before = honest[0].outer.theta.clone()
+        outcomes = await play_round(averagers, deltas, [1.0] * members)
+        for outcome in outcomes:
+            assert outcome.group.size == members and outcome.group.mixed and outcome.mixed, (round_, outcome)
+            assert outcome.group.counted == (True,) * members, (round_, outcome.group)
+            assert outcome.outcome == "applied", (round_, outcome)
+        if round_ > 0:  # the spread before the mix, relative to the mix: theta_g starts at zeros
+            assert [o.spread for o in outcomes[: members - hostile]] == [0.0] * (members - hostile), outcomes
+        moved = (honest[0].outer.theta - before).abs().max().item()
+        assert moved < 0.1, f"round {round_}: the honest state moved by {moved}"
+        assert all(torch.equal(a.outer.theta, honest[0].outer.theta) for a in averagers), round_
+
+
 async def test_a_member_with_a_certified_state_of_another_line_mixes_with_the_group() -> None:
     """Round 0 in two pairs, each applying its own update: two lines, each certified by the other member of its
     pair. Round 1: both members of line A and one of line B. B's state is held by one member only, yet counts (its
@@ -84,6 +116,33 @@ async def test_a_member_with_a_certified_state_of_another_line_mixes_with_the_gr
         assert outcome.group.counted == (True, True, True), outcome.group
     for a in (a1, a2, b1):
         assert torch.allclose(a.outer.theta, mixed_state, atol=1e-6)
+
+
+@pytest.mark.parametrize("line_b_members", [2, 1])
+async def test_a_robust_mix_of_two_certified_lines_is_their_mean_unless_most_members_hold_one(
+    line_b_members: int,
+) -> None:
+    """The public default (centered-clip) mixes states too. Round 0 in two pairs, as above. Round 1: both members
+    of line A and ``line_b_members`` of line B. Two against two, the mix is the mean of the two lines, as the plain
+    mean's. Two against one, the mix is line A's state: a robust mix cannot tell a lone certified line from a
+    made-up state, so where most members hold one state it takes that one (line B's updates since the pairs split
+    are dropped; its members' tokens of this round still count in the update)."""
+    averagers = make_group("centered-clip", "sign-flip", members=4, hostile=0)
+    for a in averagers:
+        await a.start()
+    a1, a2, b1, b2 = averagers
+    line_a, line_b = torch.full((NUMEL,), 0.5), torch.full((NUMEL,), -0.5)
+    await asyncio.gather(
+        play_round([a1, a2], [line_a, line_a], [1.0, 1.0]), play_round([b1, b2], [line_b, line_b], [1.0, 1.0])
+    )
+    group = [a1, a2, b1, b2][: 2 + line_b_members]
+    expected = (a1.outer.theta + b1.outer.theta) / 2 if line_b_members == 2 else a1.outer.theta.clone()
+    outcomes = await play_round(group, [torch.zeros(NUMEL)] * len(group), [1.0] * len(group))
+    for outcome in outcomes:
+        assert outcome.group.mixed and outcome.mixed and outcome.outcome == "applied", outcome
+        assert outcome.group.counted == (True,) * len(group), outcome.group
+    for a in group:
+        assert torch.allclose(a.outer.theta, expected, atol=1e-6), (a.outer.theta[:4], expected[:4])
 
 
 async def test_a_member_refuses_a_group_that_left_out_its_certificate_or_counts_an_uncertified_state() -> None:

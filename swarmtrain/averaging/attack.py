@@ -39,6 +39,11 @@ training literature:
   digest: a state no peer held. Mixed in by the plain mean, it pulled the honest theta_g a share of the way there
   every round; a state counts in a mix only with another peer's certificate (``Group.counted``), so the group
   never mixes for it and it resyncs each round.
+- ``self-certified``: ``own-state``, with a certificate of that state signed by a second identity of its own (a key
+  it made, whose peer id never runs: a certificate is any other peer's signature, and identities are free). Its
+  state counts, so its group mixes. Mixed by the plain mean, it pulled the honest theta_g ``1 / group size`` of the
+  way there every round; a robust swarm mixes states with its aggregator (``Averager.state_aggregator``), whose
+  start and radius most members' state fixes, so it moves nothing where most members hold one state.
 - ``outsider``: a node without a private swarm's key (none, or another) that does not stop when the swarm refuses
   it (``verify_swarm``): it reads the members' records, asks them for their settings, joins their groups, tries to
   catch up from them and publishes its own record. It gets nothing: every call is refused (``swarm-key``) and
@@ -51,14 +56,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from hivemind.utils.crypto import RSAPrivateKey
 
 from swarmtrain.averaging.matchmaking import MAX_WEIGHT
+from swarmtrain.averaging.signing import RoundSigner
 from swarmtrain.compression import BaseCodec, CodecState
 from swarmtrain.compression.wire import pack_header
 
 KINDS = (
     "scale", "sign-flip", "nan", "random", "big-weight", "alie", "equivocate", "forge-records", "outsider",
-    "bad-reducer", "mute-reducer", "withhold", "own-state",
+    "bad-reducer", "mute-reducer", "withhold", "own-state", "self-certified",
 )  # fmt: skip
 BIG_WEIGHT = 1e6
 FORGED_AHEAD = 10
@@ -71,6 +78,7 @@ class Attack:
     z: float = 1.0
     seed: int = 0
     _noise: torch.Generator = field(init=False, repr=False)  # ``random``: fresh noise every round, seeded
+    _sybil: RoundSigner | None = field(default=None, init=False, repr=False)  # ``self-certified``: my second key
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -85,10 +93,12 @@ class Attack:
             return delta * -self.scale, weight
         if self.kind in (
             "nan", "equivocate", "forge-records", "outsider", "bad-reducer", "mute-reducer", "withhold", "own-state",
+            "self-certified",
         ):  # fmt: skip
             # The payloads carry the NaNs (``wrap_codec``); the exchange equivocates; the node forges records or
             # calls without the swarm's key; the reducer alters its shard (``alter``) or answers no check; the
-            # report withholds every other shard; the node brings a state of its own (``steer``).
+            # report withholds every other shard; the node brings a state of its own (``steer``), certified by
+            # itself under another identity (``certify``).
             return delta, weight
         if self.kind == "random":
             noise = torch.randn(delta.shape, generator=self._noise)
@@ -108,6 +118,14 @@ class Attack:
         direction = torch.randn(theta.shape, generator=torch.Generator().manual_seed(self.seed))
         size = max(float(theta.norm()), theta.numel() ** 0.5)
         theta.add_(direction, alpha=self.scale * size / float(direction.norm()))
+
+    def certify(self, round_: int, digest: str) -> dict[str, Any]:
+        """self-certified: a certificate that another peer held my state ``digest`` at the end of the round before
+        ``round_``, signed by a second identity of mine."""
+        if self._sybil is None:
+            self._sybil = RoundSigner(RSAPrivateKey())
+        held = round_ - 1
+        return {"round": held, "key": self._sybil.public, "sig": self._sybil.sign_held(held, digest)}
 
     def wrap_codec(self, codec: BaseCodec) -> BaseCodec:
         """The uplink codec a node with this attack sends with: ``nan`` writes NaN payloads, the others encode."""

@@ -14,7 +14,7 @@ import random
 import signal
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -106,13 +106,20 @@ class Averager:
         max_weight: float = MAX_WEIGHT,
     ) -> None:
         self.transport = transport
-        self.aggregator = aggregator or Aggregator()  # combines the round's updates (``robust``); state mixes: mean
+        self.aggregator = aggregator or Aggregator()  # combines the round's updates (``robust``)
+        # Combines the states of a gossip mix: the same kind, without the norm clip (a state's norm says nothing of
+        # how far it is from the others; centered-clip's radius and a median or trim do). A certificate shows only
+        # that some key signed a state, and keys are free, so a robust swarm does not let a counted state pull the
+        # mix further than the others' spread: where most members hold one state, the mix is that state.
+        self.state_aggregator = replace(self.aggregator, clip=0.0)
         self.attack = attack  # tests only (``attack.kind``): turns my honest update into a hostile one
         self.equivocate = getattr(attack, "kind", "") == "equivocate"  # tests only: tells members different things
         self.alter = getattr(attack, "alter", None) if getattr(attack, "kind", "") == "bad-reducer" else None
         self.mute = getattr(attack, "kind", "") == "mute-reducer"  # tests only: never shows what it averaged
         self.withhold = getattr(attack, "kind", "") == "withhold"  # tests only: reports no other shard as held
-        self.steer = getattr(attack, "steer", None) if getattr(attack, "kind", "") == "own-state" else None
+        own_state = getattr(attack, "kind", "") in ("own-state", "self-certified")
+        self.steer = getattr(attack, "steer", None) if own_state else None  # tests only: a state of my own
+        self.certify = getattr(attack, "certify", None) if getattr(attack, "kind", "") == "self-certified" else None
         # Signs my reports and digests and checks the others' (``signing``): a node always signs, with its identity
         # key; the in-process simulator and most unit tests run unsigned (peer ids there are not keys).
         self.signer = signer
@@ -398,6 +405,8 @@ class Averager:
     ) -> Group:
         own, digest = self.deadline_s(), self.outer.digest()
         cert = self.certified[1] if self.certified is not None and self.certified[0] == digest else None
+        if self.certify is not None:
+            cert = self.certify(r.number, digest)  # tests only: my state, certified by a second key of mine
         return await self.matchmaker.form_group(
             r.number, weight, digest, candidates, expected, gather_timeout, own, self.deadline_factor * own, cert
         )  # fmt: skip
@@ -642,7 +651,7 @@ class Averager:
                 group, self.me, vector, self.transport, header=self.header, codec_up=codec or self.codec_up,
                 codec_down=codec or self.codec_down, part_numel=self.part_numel, deadline=deadline,
                 on_part_sent=fault, tag=tag, scratch=self._scratch, residual=residual,
-                aggregator=self.aggregator if codec is None else None,  # theta_g mixes by the plain mean
+                aggregator=self.aggregator if codec is None else self.state_aggregator,
                 signer=self.signer, equivocate=self.equivocate, verify=self.verify, rng=self.rng,
                 alter=self.alter if codec is None else None,
                 suspects=self.matchmaker.bans.suspects(group.round) if codec is None else (), weights=weights,

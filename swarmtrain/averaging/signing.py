@@ -16,8 +16,10 @@ decision.
 
 A digest is signed twice: over the round's route, as above, and with the round's number alone ("held"): the second
 is a member's statement that it held that state at the end of that round, which another member can show as the
-certificate of the same state in a later round (``check_held``, ``matchmaking``): a state that an honest peer
-held, not one a member made up.
+certificate of the same state in a later round (``check_held``, ``matchmaking``): a state that another key
+signed for. That keeps out a state its member alone vouches for, but keys are free, so a member can certify a
+made-up state with a second key of its own; a public swarm therefore also mixes states with its robust aggregator
+(``Averager.state_aggregator``), which such a state does not move where most of a group holds one state.
 
 What it does not cover: peers that collude (one equivocates, another relays selectively or withholds proofs
 from some members), and a value that reached only a hostile member before the honest sender died (two faults).
