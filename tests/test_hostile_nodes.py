@@ -147,6 +147,23 @@ def test_a_node_joining_with_a_state_of_its_own_is_never_mixed_in(swarm: Swarm) 
 
 
 @pytest.mark.slow
+def test_a_node_certifying_its_own_state_with_a_second_key_moves_no_honest_state(swarm: Swarm) -> None:
+    """Three honest nodes and one that moves its theta_g 10 times its norm away before every round and joins with
+    a certificate of that state signed by a second key it made (attack.kind = self-certified). Its state counts, so
+    every round mixes; the public default mixes states with centered-clip, and three of four hold one state, so the
+    mix is that state: no honest theta_g moves in a mix (spread 0), every round applies with all four members and
+    ends on one digest among the honest, and the model stays finite."""
+    names = three_honest_and_one(swarm, 3, "attack.kind=self-certified")
+    swarm.wait(names, timeout=240)
+    assert_one_digest_per_round(swarm, names[:3], 3)
+    for name in names[:3]:
+        rounds = swarm.rounds(name)
+        assert [(r["group_size"], r["outcome"], r.get("spread")) for r in rounds] == [(4, "applied", 0.0)] * 3, rounds
+    final = [r for r in swarm.metrics("n0") if r["kind"] == "final"][0]
+    assert math.isfinite(final["bpb"]) and final["bpb"] < 8.0, final
+
+
+@pytest.mark.slow
 def test_an_equivocating_node_is_banned_and_the_honest_nodes_stay_identical(swarm: Swarm) -> None:
     """Three honest nodes and one that tells every second member of its group other reports and digests, each
     signed with its identity key. Every honest node sees both values through the relays, leaves it out of round
