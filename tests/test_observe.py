@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 import urllib.request
@@ -14,7 +15,9 @@ import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 
+from swarmtrain.averaging import PROTOCOL_VERSION
 from swarmtrain.config import load_config
+from swarmtrain.dht import PeerRecord
 from swarmtrain.node import Node
 from swarmtrain.node.observe import NodeMetrics, ObserveServer
 from swarmtrain.node.state import Miss, NodeState, NodeStatus, round_state
@@ -168,6 +171,36 @@ async def _wait(what: str, predicate: Any, timeout: float, seen: Any) -> None:
         if time.monotonic() > deadline:
             raise AssertionError(f"waited {timeout:.0f} s for {what}; saw {seen()}")
         await asyncio.sleep(0.1)
+
+
+async def test_status_looks_the_records_up_again_while_it_finds_none(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`swarmtrain status` (``fetch_records``): a lookup that finds no record is made again, up to ``LOOKUPS``
+    times, before an empty swarm is shown; the first lookup that finds records is what it shows."""
+    from swarmtrain.node import commands
+
+    record = PeerRecord(
+        peer_id="QmdYxK8nfPPGEHs4YwMebssHkmGKf1sAsYGnGALLde65dY", proto=PROTOCOL_VERSION, run_id="swarmtrain",
+        round=0, phase="training", tokens_per_s=1.0, batch_size=1,
+    )  # fmt: skip
+    answers: list[list[PeerRecord]] = []
+    lookups: list[str] = []
+
+    @contextlib.asynccontextmanager
+    async def client(config: Any) -> Any:
+        yield "dht"
+
+    async def lookup(dht: Any, run_id: str, auth: Any) -> list[PeerRecord]:
+        lookups.append(run_id)
+        return answers[len(lookups) - 1]
+
+    monkeypatch.setattr(commands, "dht_client", client)
+    monkeypatch.setattr(commands, "swarm_records", lookup)
+    monkeypatch.setattr(commands, "LOOKUP_PAUSE_S", 0.0)
+    config = load_config(overrides=[f"node.join=['/ip4/127.0.0.1/tcp/4000/p2p/{record.peer_id}']"])
+    answers[:] = [[], [record], [record]]
+    assert await commands.fetch_records(config) == [record] and len(lookups) == 2
+    answers[:], lookups[:] = [[]] * commands.LOOKUPS, []
+    assert await commands.fetch_records(config) == [] and len(lookups) == commands.LOOKUPS
 
 
 @pytest.mark.timeout(240)

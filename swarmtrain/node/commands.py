@@ -121,12 +121,25 @@ def run_dashboard(config: Config, host: str, port: int, poll_s: float) -> None:
         server.close()
 
 
+LOOKUPS = 3  # `swarmtrain status`: lookups of the swarm's records while they find none
+LOOKUP_PAUSE_S = 2.0
+
+
 async def fetch_records(config: Config) -> list[PeerRecord]:
     if not config.node.join:
         raise NodeError("node error: `swarmtrain status` needs --join ADDR: the address of any peer of the swarm.")
     auth = load_auth(config.node.swarm_key, config.node.allow_peers)
     async with dht_client(config) as dht:
-        return await swarm_records(dht, config.node.run_id, auth)
+        # The peer joined through answered (the client's bootstrap needs it), so a lookup that finds no record at
+        # all may have missed (seen once: the private-swarm node test's status found none while the node it had
+        # joined through was up and publishing). Ask again, a few times, before showing an empty swarm.
+        records = await swarm_records(dht, config.node.run_id, auth)
+        for _ in range(LOOKUPS - 1):
+            if records:
+                break
+            await asyncio.sleep(LOOKUP_PAUSE_S)
+            records = await swarm_records(dht, config.node.run_id, auth)
+        return records
 
 
 def show_status(config: Config, as_json: bool) -> None:
