@@ -113,13 +113,14 @@ class Averager:
         # mix further than the others' spread: where most members hold one state, the mix is that state.
         self.state_aggregator = replace(self.aggregator, clip=0.0)
         self.attack = attack  # tests only (``attack.kind``): turns my honest update into a hostile one
-        self.equivocate = getattr(attack, "kind", "") == "equivocate"  # tests only: tells members different things
-        self.alter = getattr(attack, "alter", None) if getattr(attack, "kind", "") == "bad-reducer" else None
-        self.mute = getattr(attack, "kind", "") == "mute-reducer"  # tests only: never shows what it averaged
-        self.withhold = getattr(attack, "kind", "") == "withhold"  # tests only: reports no other shard as held
-        own_state = getattr(attack, "kind", "") in ("own-state", "self-certified")
-        self.steer = getattr(attack, "steer", None) if own_state else None  # tests only: a state of my own
-        self.certify = getattr(attack, "certify", None) if getattr(attack, "kind", "") == "self-certified" else None
+        kind = getattr(attack, "kind", "")
+        self.equivocate = kind == "equivocate"  # tests only: tells members different things
+        self.alter = attack.alter if kind == "bad-reducer" else None
+        self.mute = kind == "mute-reducer"  # tests only: never shows what it averaged
+        self.withhold = kind == "withhold"  # tests only: reports no other shard as held
+        own_state = kind in ("own-state", "self-certified")
+        self.steer = attack.steer if own_state else None  # tests only: a state of my own
+        self.certify = attack.certify if kind == "self-certified" else None
         # Signs my reports and digests and checks the others' (``signing``): a node always signs, with its identity
         # key; the in-process simulator and most unit tests run unsigned (peer ids there are not keys).
         self.signer = signer
