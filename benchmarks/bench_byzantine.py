@@ -5,6 +5,7 @@
     PYTHONPATH=. python benchmarks/bench_byzantine.py --rounds 4 --kinds scale --hostile 2
     PYTHONPATH=. python benchmarks/bench_byzantine.py --kinds bad-reducer --verify 1   # fewer checks than the default
     PYTHONPATH=. python benchmarks/bench_byzantine.py --kinds --group-size 4 --rounds 24   # gossip, clean runs only
+    PYTHONPATH=. python benchmarks/bench_byzantine.py --kinds --group-size 3 --rounds 24 --state-floor 0   # no floor
 
 In process, over the in-memory transport (``MemoryNetwork``): eight real ``Averager``s and eight real trainers
 (``swarmtrain.node.inner``, the standard trainer) of one small model on the default corpus, trained in turn on
@@ -18,7 +19,9 @@ banned one trains and waits alone until its ban ends. Real node processes run th
 in a node's config); this benchmark stays in process so that one run of all of it fits in minutes on 2 cores.
 
 Per run: the final held-out bits per byte of theta_g (an honest member's), whether any honest theta_g was ever
-non-finite, and whether the honest members of each group held identical theta_g after every round (one digest).
+non-finite, whether the honest members of each group held identical theta_g after every round (one digest), and
+how far apart the honest theta_g are at the end (``apart``: the largest distance of one from the first, relative to
+its norm; in gossip, each group of the last round applied its own update).
 The verdict column compares with the clean run's bpb under the plain mean (exact DiLoCo): within 5 %, finite,
 identical.
 """
@@ -31,12 +34,14 @@ import logging
 import math
 import random
 import time
+from dataclasses import replace
 
 import torch
 from hivemind.utils.crypto import RSAPrivateKey
 
 from swarmtrain.averaging import Averager, leader_candidates
 from swarmtrain.averaging.attack import KINDS, Attack
+from swarmtrain.averaging.averager import STATE_FLOOR
 from swarmtrain.averaging.robust import parse_aggregator
 from swarmtrain.averaging.signing import RoundSigner
 from swarmtrain.compression import get_codec
@@ -69,7 +74,7 @@ def identities() -> list[tuple[str, RSAPrivateKey]]:
 
 async def one_run(
     config, corpus, keys, aggregator: str, kind: str | None, hostile: int, rounds: int, steps: int, verify: float,
-    group_size: int,
+    group_size: int, state_floor: float | None,
 ) -> dict:  # fmt: skip
     net = MemoryNetwork()
     trainers = [build_inner_loop(config, corpus, data_seed=i) for i in range(MEMBERS)]
@@ -100,6 +105,8 @@ async def one_run(
             )  # fmt: skip
         )
     for a in averagers:
+        if state_floor is not None:  # the robust mix's radius floor (``Averager.state_aggregator``), for comparison
+            a.state_aggregator = replace(a.state_aggregator, floor=state_floor)
         await a.start()
     honest = MEMBERS - (hostile if kind else 0)
     peers = [a.me for a in averagers]
@@ -125,7 +132,9 @@ async def one_run(
     bpb = trainers[0].evaluate() if finite else math.nan
     for t in trainers:
         t.close()
-    return {"bpb": bpb, "finite": finite, "identical": identical}
+    first = averagers[0].outer.theta
+    apart = max(float((a.outer.theta - first).norm() / first.norm()) for a in averagers[:honest])
+    return {"bpb": bpb, "finite": finite, "identical": identical, "apart": apart}
 
 
 def main() -> None:
@@ -145,6 +154,10 @@ def main() -> None:
     parser.add_argument(
         "--group-size", type=int, default=16, help="averaging.group_size; below 8, gossip groups that mix their states"
     )
+    parser.add_argument(
+        "--state-floor", type=float, default=None,
+        help="the robust mix's radius floor in steps (Aggregator.floor); default: a node's (averager.STATE_FLOOR)",
+    )  # fmt: skip
     parser.add_argument("--threads", type=int, default=1, help="torch threads (1 was fastest on 2 busy cores)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.ERROR)  # the refused payloads of the hostile members are expected here
@@ -159,16 +172,20 @@ def main() -> None:
             runs += [("mean", kind, hostile) for kind in args.kinds]
     print(
         f"{MEMBERS} members, {args.rounds} rounds x H={args.steps}, model depth 2 width 64, fp16 updates, "
-        f"verify {args.verify:g}, group size {args.group_size}"
+        f"verify {args.verify:g}, group size {args.group_size}, state floor "
+        f"{STATE_FLOOR if args.state_floor is None else args.state_floor:g}"
     )
-    print("| aggregator | attack | hostile | final bpb | vs clean mean | finite | identical | verdict | s |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    columns = ["aggregator", "attack", "hostile", "final bpb", "vs clean mean", "finite", "identical", "apart"]
+    columns += ["verdict", "s"]
+    print("| " + " | ".join(columns) + " |")
+    print("|" + "---|" * len(columns))
     clean = None
     for aggregator, kind, hostile in runs:
         started = time.perf_counter()
         r = asyncio.run(
             one_run(
-                config, corpus, keys, aggregator, kind, hostile, args.rounds, args.steps, args.verify, args.group_size
+                config, corpus, keys, aggregator, kind, hostile, args.rounds, args.steps, args.verify, args.group_size,
+                args.state_floor,
             )
         )  # fmt: skip
         clean = clean if clean is not None else r["bpb"]
@@ -176,7 +193,8 @@ def main() -> None:
         ok = r["finite"] and r["identical"] and gap <= 0.05
         print(
             f"| {aggregator} | {kind or 'none'} | {hostile}/{MEMBERS} | {r['bpb']:.4f} | {gap:+.1%} | {r['finite']} | "
-            f"{r['identical']} | {'ok' if ok else 'FAIL'} | {time.perf_counter() - started:.0f} |",
+            f"{r['identical']} | {r['apart']:.2g} | {'ok' if ok else 'FAIL'} | "
+            f"{time.perf_counter() - started:.0f} |",
             flush=True,
         )
 

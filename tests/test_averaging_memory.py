@@ -10,6 +10,7 @@ import torch
 
 from swarmtrain.averaging import Averager, Group, gossip_groups, leader_candidates, outer_digest
 from swarmtrain.averaging.matchmaking import Lobby
+from swarmtrain.averaging.outer import OuterOptimizer, chunk_numel
 from swarmtrain.averaging.round import Phase
 from swarmtrain.compression import get_codec
 from swarmtrain.errors import IncompatibleSwarm
@@ -256,6 +257,25 @@ async def test_without_an_outer_momentum_the_state_members_hash_and_mix_is_theta
             assert all(a.outer.buf is None and list(a.outer.state_tensors()) == ["theta"] for a in averagers)
             assert outcomes[0].digest == outer_digest(averagers[0].outer.theta)
     assert 0.6 < sent[0.0] / sent[0.9] < 0.7, sent
+
+
+@pytest.mark.parametrize(("numel", "momentum"), [(NUMEL, 0.0), (NUMEL, 0.9), (3001, 0.9)])
+def test_the_step_a_member_claims_is_how_far_its_last_outer_step_moved_each_chunk_of_its_state(
+    numel: int, momentum: float
+) -> None:
+    """``OuterOptimizer.moved``, what a member claims in a gossip mix (``Aggregator.floor``): zero before the first
+    step whatever theta_g is, then the squares of what the last step changed in each chunk of theta_g and the
+    momentum end to end (with 3001 elements a chunk spans the end of theta_g and the start of the momentum)."""
+    rng = torch.Generator().manual_seed(1)
+    outer = OuterOptimizer(torch.randn(numel, generator=rng), lr=0.7, momentum=momentum)
+    assert torch.equal(outer.moved, torch.zeros_like(outer.moved))
+    for _ in range(3):
+        before = [t.clone() for t in outer.state_tensors().values()]
+        outer.step(torch.randn(numel, generator=rng))
+        change = torch.cat([t - b for t, b in zip(outer.state_tensors().values(), before, strict=True)])
+        chunk = chunk_numel(change.numel())
+        expected = torch.stack([c.double().square().sum() for c in change.split(chunk)])
+        torch.testing.assert_close(outer.moved, expected, rtol=1e-4, atol=0.0)
 
 
 @pytest.mark.parametrize("codec", ["fp16", "int8", "int4", "topk:frac=0.05", "powersgd:rank=2"])

@@ -147,18 +147,22 @@ def test_a_node_joining_with_a_state_of_its_own_is_never_mixed_in(swarm: Swarm) 
 
 
 @pytest.mark.slow
-def test_a_node_certifying_its_own_state_with_a_second_key_moves_no_honest_state(swarm: Swarm) -> None:
-    """Three honest nodes and one that moves its theta_g 10 times its norm away before every round and joins with
-    a certificate of that state signed by a second key it made (attack.kind = self-certified). Its state counts, so
-    every round mixes; the public default mixes states with centered-clip, and three of four hold one state, so the
-    mix is that state: no honest theta_g moves in a mix (spread 0), every round applies with all four members and
-    ends on one digest among the honest, and the model stays finite."""
+def test_a_node_certifying_its_own_state_with_a_second_key_barely_moves_an_honest_state(swarm: Swarm) -> None:
+    """Three honest nodes and one that moves its theta_g 10 times its norm away before every round, joins with a
+    certificate of that state signed by a second key it made and claims steps a million times its own
+    (attack.kind = self-certified). Its state counts, so every round mixes; the public default mixes states with
+    centered-clip, whose radius is at least twice the median claimed step (the honest nodes'), so no honest theta_g
+    moves in a mix by more than 5 % of its norm (spread; with the largest claim believed, about its whole norm), not
+    at all in round 0 (no step yet). Every round applies with all four members and ends on one digest among the
+    honest, and the model stays finite."""
     names = three_honest_and_one(swarm, 3, "attack.kind=self-certified")
     swarm.wait(names, timeout=240)
     assert_one_digest_per_round(swarm, names[:3], 3)
     for name in names[:3]:
         rounds = swarm.rounds(name)
-        assert [(r["group_size"], r["outcome"], r.get("spread")) for r in rounds] == [(4, "applied", 0.0)] * 3, rounds
+        assert [(r["group_size"], r["outcome"]) for r in rounds] == [(4, "applied")] * 3, rounds
+        spreads = [r["spread"] for r in rounds]
+        assert spreads[0] == 0.0 and all(0 <= s < 0.05 for s in spreads), spreads
     final = [r for r in swarm.metrics("n0") if r["kind"] == "final"][0]
     assert math.isfinite(final["bpb"]) and final["bpb"] < 8.0, final
 

@@ -280,28 +280,40 @@ def two_exchanges() -> tuple[AllReduce, AllReduce]:
     )  # fmt: skip
 
 
-@pytest.mark.parametrize("how", ["signed by another member", "unsigned", "signature cut short"])
+@pytest.mark.parametrize(
+    "how", ["signed by another member", "unsigned", "signature cut short", "another step", "a step that is no norm"]
+)
 async def test_a_reducer_refuses_a_part_its_sender_did_not_sign_and_leaves_the_sender_out(how: str) -> None:
-    """A part must carry its sender's signature of this round, shard, part and payload: otherwise a reducer could
-    not show a checker what that member sent, and could show anything in its name."""
+    """A part must carry its sender's signature of this round, shard, part, payload and claimed step (a gossip
+    mix's, ``Aggregator.floor``): otherwise a reducer could not show a checker what that member sent, and could show
+    anything in its name. A claimed step must be a norm: a finite float, not negative."""
     a, b = two_exchanges()
     start, end = a.bounds[a.index]
     payload = get_codec("fp32").encode(torch.ones(end - start))
-    header = {"shard": a.index, "part": 0, "codec": "fp32"}
-    sealed = {"signed by another member": a._seal(a.index, 0, payload), "unsigned": payload}
-    body = sealed.get(how, b._seal(a.index, 0, payload)[:100])
+    header = {"shard": a.index, "part": 0, "codec": "fp32", "steps": [0.5]}
+    body = {
+        "signed by another member": a._seal(a.index, 0, payload, 0.5),
+        "unsigned": payload,
+        "signature cut short": b._seal(a.index, 0, payload, 0.5)[:100],
+        "another step": b._seal(a.index, 0, payload, 0.25),
+    }.get(how, b._seal(a.index, 0, payload, float("nan")))
+    if how == "a step that is no norm":
+        header["steps"] = [float("nan")]
     with pytest.raises(Rejected, match="bad part"):
         a.on_part(b.me, header, body)
     assert b.me in a.bad_senders and not a.kept
+    for steps in ([-1.0], [float("inf")], ["1"], 0.5, []):
+        with pytest.raises(Rejected, match="claimed step"):
+            a._claimed({"steps": steps}, 0)
 
 
 async def test_a_reducer_keeps_what_it_averaged_for_checkers_and_a_tampered_copy_is_caught() -> None:
-    """The evidence a reducer serves is the signed parts its result mask names; a payload changed after its
-    sender signed it no longer matches the signature, and the checker says whose."""
+    """The evidence a reducer serves is the signed parts its result mask names; a payload or a claimed step changed
+    after its sender signed it no longer matches the signature, and the checker says whose."""
     a, b = two_exchanges()
     start, end = a.bounds[a.index]
     payload = get_codec("fp32").encode(torch.ones(end - start))
-    a.on_part(b.me, {"shard": a.index, "part": 0, "codec": "fp32"}, b._seal(a.index, 0, payload))
+    a.on_part(b.me, {"shard": a.index, "part": 0, "codec": "fp32"}, b._seal(a.index, 0, payload, 0.0))
     assert a.kept[b.index, 0][0] == payload
     mask = (1 << b.index).to_bytes(1, "little")
     a.results[a.index].masks[0] = mask  # as if a had reduced part 0 from b's contribution alone
@@ -309,6 +321,10 @@ async def test_a_reducer_keeps_what_it_averaged_for_checkers_and_a_tampered_copy
     b.results[a.index].buffer[:] = torch.ones(end - start)  # the result b received
     evidence = a.on_evidence(b.me, {"shard": a.index, "part": 0})
     assert b._check_evidence(a.index, 0, 0, end - start, evidence) is None
+    a.kept[b.index, 0][3] = 1e9  # a wider radius than b claimed
+    problem = b._check_evidence(a.index, 0, 0, end - start, a.on_evidence(b.me, {"shard": a.index, "part": 0}))
+    assert problem == f"its evidence holds a contribution {b.me[-8:]} did not sign"
+    a.kept[b.index, 0][3] = 0.0
     a.kept[b.index, 0][0] = get_codec("fp32").encode(torch.full((end - start,), 2.0))
     problem = b._check_evidence(a.index, 0, 0, end - start, a.on_evidence(b.me, {"shard": a.index, "part": 0}))
     assert problem == f"its evidence holds a contribution {b.me[-8:]} did not sign"

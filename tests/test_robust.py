@@ -52,6 +52,23 @@ def test_the_norm_clip_scales_a_huge_contribution_to_the_median_norm_times_clip(
     assert all(torch.equal(a, b) for a, b in zip(clipped[:3], rows[:3], strict=False))  # honest ones untouched
 
 
+def test_the_floor_widens_centered_clips_radius_to_the_median_claimed_step() -> None:
+    """A gossip mix: three members on one state, one 10 away. Without a floor the radius is the median distance
+    (0), so the mix is the three's state. With ``floor`` 2 and a median claimed step of 1 (the outlier claims
+    1e9; the median ignores it), the radius is 2: one 10 away pulls 341/1024 of it (five steps of r / 4 against
+    the three pulling back); one 1.5 away counts whole."""
+    held = torch.zeros(M)
+    direction = torch.ones(M) / M**0.5
+    for distance, pulled in [(10.0, 2 * 341 / 1024), (1.5, 1.5 / 4)]:
+        rows = [held, held, held, held + distance * direction]
+        steps = [1.0, 1.0, 1.0, 1e9]
+        out = torch.empty(M)
+        Aggregator(kind="centered-clip").reduce(rows, [1.0] * 4, out, steps)
+        assert torch.equal(out, held)
+        Aggregator(kind="centered-clip", floor=2.0).reduce(rows, [1.0] * 4, out, steps)
+        torch.testing.assert_close(out, held + pulled * direction)
+
+
 def test_weights_are_capped_relative_to_the_contributors_median() -> None:
     agg = Aggregator(kind="median", cap=2.0)
     assert agg.cap_weights([0.0, 100.0, 120.0, 80.0, 1e12]) == [0.0, 100.0, 120.0, 80.0, 220.0]

@@ -153,9 +153,10 @@ def start_gossip_swarm(swarm: Swarm, rounds: int, extra: dict[str, list[str]] | 
 
 def test_gossip_groups_agree_inside_and_mix_across(swarm: Swarm) -> None:
     """6 nodes in groups of 3 that reshuffle every round, each starting from its own random init, mixing states by
-    the plain mean (members that trust each other; a public swarm's robust default keeps the state most of a
-    group holds, as ``tests/test_certified_mix.py`` shows): members of a group end every round identical, and the
-    distance between replicas shrinks as the groups mix."""
+    the plain mean (members that trust each other; a public swarm's robust default pulls a state far from most of
+    a group's by about an outer step a round, as ``tests/test_certified_mix.py`` shows, and two random inits are
+    far more apart): members of a group end every round identical, and the distance between replicas shrinks as
+    the groups mix."""
     mean = ["averaging.aggregator=mean"]
     names = start_gossip_swarm(swarm, rounds=6, extra={f"n{i}": mean for i in range(6)})
     swarm.wait(names, timeout=240)

@@ -116,6 +116,7 @@ class AllReduce(GroupExchange):
         chunk: int = 0,
         digests: Mapping[str, str] | None = None,
         hashes: bytes = b"",
+        moved: torch.Tensor | None = None,
     ) -> None:
         super().__init__(
             group, me, transport, header=header, deadline=deadline, on_part_sent=on_part_sent, tag=tag, signer=signer,
@@ -128,6 +129,11 @@ class AllReduce(GroupExchange):
         # with its parts; ``hashes``: mine) to the digest it joined the group with (``digests``).
         self.chunk, self.digests, self.hashes = chunk, digests or {}, hashes
         self.chunks_of: dict[str, bytes] = {}  # each sender's chunk hashes, checked against its digest
+        # With chunks, how far my last outer step moved each (``OuterOptimizer.moved``): each part I send carries
+        # the norm of its chunks' (a claim, signed with the part), and a reducer's robust mix counts states about
+        # the median claim apart (``Aggregator.floor``). ``steps``: the claims that came with each sender's parts.
+        self.moved = moved if chunk else None
+        self.steps: dict[tuple[int, int], float] = {}
         self.bounds = group.shard_bounds(delta.numel(), chunk or 1)
         self.codec_up, self.codec_down = codec_up, codec_down
         self.part_numel = max(1, part_numel) if not chunk else max(chunk, part_numel // chunk * chunk)
@@ -213,18 +219,34 @@ class AllReduce(GroupExchange):
             box.hasher.update(box.buffer[start:end].view(torch.uint8).numpy())
             box.hashed += 1
 
-    def _seal(self, shard: int, part: int, payload: bytes) -> bytes:
+    def _step(self, start: int, end: int) -> float:
+        """My claim for ``start:end`` of the state, whole chunks: the norm of what my last outer step moved there."""
+        assert self.moved is not None
+        return float(self.moved[start // self.chunk : -(-end // self.chunk)].sum()) ** 0.5
+
+    @staticmethod
+    def _claimed(header: dict[str, Any], part: Any) -> float:
+        """The step a sender claims for ``part`` (``_step``; 0 where it claims none), or Rejected."""
+        steps = header.get("steps")
+        if steps is None:
+            return 0.0
+        claim = steps[part] if isinstance(steps, list) and isinstance(part, int) and 0 <= part < len(steps) else None
+        if not isinstance(claim, float) or not 0 <= claim < float("inf"):
+            raise Rejected(f"bad part: its claimed step {claim!r} is not a norm")
+        return claim
+
+    def _seal(self, shard: int, part: int, payload: bytes, step: float) -> bytes:
         """A part as it is sent: where the swarm checks reducers (``verify``, a swarm setting), its sender's signature
-        of (round, shard, part, payload hash) ahead of the payload, so its reducer can show a member that checks it
-        what it averaged (``_verify``), and cannot show anything else in a member's name."""
+        of (round, shard, part, payload hash, claimed step) ahead of the payload, so its reducer can show a member
+        that checks it what it averaged (``_verify``), and cannot show anything else in a member's name."""
         if self.verify <= 0:
             return payload
         assert self.signer is not None  # ``verify`` is 0 without one
-        proof = self.signer.sign(self.route, "part", [shard, part, _digest(payload)])
+        proof = self.signer.sign(self.route, "part", [shard, part, _digest(payload), step])
         sig, key = proof["sig"], proof["key"]
         return len(sig).to_bytes(2, "little") + sig + len(key).to_bytes(2, "little") + key + payload
 
-    def _unseal(self, sender: str, part: Any, body: bytes) -> tuple[bytes | memoryview, bytes, bytes]:
+    def _unseal(self, sender: str, part: Any, body: bytes, step: float) -> tuple[bytes | memoryview, bytes, bytes]:
         """(payload, signature, key) of a part sent to me; Rejected unless ``sender`` signed it for my shard (where
         the swarm checks reducers). The payload is a view of ``body``, not a copy."""
         if self.verify <= 0:
@@ -236,7 +258,7 @@ class AllReduce(GroupExchange):
         if len(body) < 4 + n + m or n > MAX_SIG_BYTES or m > MAX_KEY_BYTES:
             raise Rejected("bad part: its signature is malformed")
         proof = {"sig": sig, "key": key}
-        if not self.signer.check(sender, self.route, "part", [self.index, part, _digest(payload)], proof):
+        if not self.signer.check(sender, self.route, "part", [self.index, part, _digest(payload), step], proof):
             raise Rejected("bad part: not signed by its sender")
         return payload, sig, key
 
@@ -265,12 +287,14 @@ class AllReduce(GroupExchange):
         try:
             if header.get("shard") != self.index:
                 raise Rejected(f"part for shard {header.get('shard')!r} sent to the reducer of shard {self.index}")
-            payload, sig, key = self._unseal(sender, part, body)
+            step = self._claimed(header, part)
+            payload, sig, key = self._unseal(sender, part, body, step)
             self._store(box, header, payload, self.codec_up, "part")
             if self.chunk:
                 self._check_chunk(sender, header.get("hashes"), self.bounds[self.index][0], part, box.buffer)
+            self.steps[self.group.index(sender), part] = step
             if self.verify > 0:  # kept for the members that check me
-                self.kept[self.group.index(sender), part] = [payload, sig, key]
+                self.kept[self.group.index(sender), part] = [payload, sig, key, step]
         except Rejected as exc:
             # Left out of this round entirely: nobody waits for its parts, results or report any more.
             self.invalid.setdefault(sender, str(exc))
@@ -341,16 +365,20 @@ class AllReduce(GroupExchange):
         header = {**self.header, "shard": j, "codec": self.codec_up.name}
         if self.chunk:
             header["hashes"] = self.hashes
+        steps = [0.0] * len(parts)
+        if self.moved is not None:
+            steps = header["steps"] = [self._step(start + s, start + e) for s, e in parts]
         if j == self.index:
             for p, (s, e) in enumerate(parts):
-                self._deliver_locally("parts", header, p, self._seal(j, p, self._encode_up(start + s, start + e)))
+                payload = self._encode_up(start + s, start + e)
+                self._deliver_locally("parts", header, p, self._seal(j, p, payload, steps[p]))
             return
 
         async def frames() -> AsyncIterator[bytes]:
             for p, (s, e) in enumerate(parts):
                 if p:
                     self._part_sent()  # the transport asks for frame p once frame p - 1 is written and drained
-                yield self._seal(j, p, self._encode_up(start + s, start + e))
+                yield self._seal(j, p, self._encode_up(start + s, start + e), steps[p])
             self._part_sent()
 
         await self._stream(self.group.members[j], "parts", header, frames(), len(parts), self.scatter_deadline)
@@ -412,7 +440,8 @@ class AllReduce(GroupExchange):
                     break
                 average = self.reduced[: e - s]  # encoded into a payload of its own before the next part
                 rows = [self.inbox[members[i]].buffer[s:e] for i in included]
-                self.aggregator.reduce(rows, [weights[i] for i in included], average)
+                steps = [self.steps[i, p] for i in included]
+                self.aggregator.reduce(rows, [weights[i] for i in included], average, steps)
                 if self.alter is not None:
                     self.alter(average)  # tests only: a hostile reducer
                 ready[p] = self._mask(included) + self.codec_down.encode(average)
@@ -457,7 +486,7 @@ class AllReduce(GroupExchange):
 
     def on_evidence(self, sender: str, header: dict[str, Any]) -> bytes:
         """The signed contributions I averaged into one part of my shard, as its result mask names them (a msgpack
-        list of [member index, payload, signature, key]), for a member that checks it (``_verify``)."""
+        list of [member index, payload, signature, key, claimed step]), for a member that checks it (``_verify``)."""
         self._check_member(sender)
         if self.verify <= 0:
             raise Rejected("this member keeps no contributions to be checked (averaging.verify = 0)")
@@ -531,16 +560,17 @@ class AllReduce(GroupExchange):
             return "its evidence is not msgpack"
         included = self._included(self.results[j].masks[p])
         payloads: dict[int, bytes] = {}
+        steps: dict[int, float] = {}
         for row in rows if isinstance(rows, list) else [None]:
-            if not (isinstance(row, list) and len(row) == 4 and isinstance(row[0], int) and row[0] in included):
+            if not (isinstance(row, list) and len(row) == 5 and isinstance(row[0], int) and row[0] in included):
                 return "its evidence names members its result does not include"
-            i, payload, sig, key = row
-            if not isinstance(payload, bytes) or i in payloads:
-                return "its evidence repeats a member or holds no payload"
-            if not self.signer.check(self.group.members[i], self.route, "part", [j, p, _digest(payload)],
+            i, payload, sig, key, step = row
+            if not isinstance(payload, bytes) or i in payloads or not isinstance(step, float):
+                return "its evidence repeats a member or holds no payload or step"
+            if not self.signer.check(self.group.members[i], self.route, "part", [j, p, _digest(payload), step],
                                      {"sig": sig, "key": key}):  # fmt: skip
                 return f"its evidence holds a contribution {self.group.members[i][-8:]} did not sign"
-            payloads[i] = payload
+            payloads[i], steps[i] = payload, step
         if sorted(payloads) != included:
             return f"it showed {len(payloads)} of the {len(included)} contributions its result includes"
         try:
@@ -552,7 +582,7 @@ class AllReduce(GroupExchange):
             return f"it averaged a payload it should have refused ({exc})"
         weights = self.aggregator.cap_weights(self.weights)
         expected = torch.zeros(end - start)
-        self.aggregator.reduce(rows, [weights[i] for i in included], expected)
+        self.aggregator.reduce(rows, [weights[i] for i in included], expected, [steps[i] for i in included])
         sent = self.codec_down.decode(self.codec_down.encode(expected), end - start)
         # Another machine may round the same sums differently: allow twice the codec's own error, and 1e-5 of the
         # part's largest value (an fp32 result then matches to its last few bits).

@@ -43,7 +43,8 @@ training literature:
   it made, whose peer id never runs: a certificate is any other peer's signature, and identities are free). Its
   state counts, so its group mixes. Mixed by the plain mean, it pulled the honest theta_g ``1 / group size`` of the
   way there every round; a robust swarm mixes states with its aggregator (``Averager.state_aggregator``), whose
-  start and radius most members' state fixes, so it moves nothing where most members hold one state.
+  start most members' state fixes and whose radius is twice the median claimed step, so it pulls by a share of
+  that radius. Both kinds claim a million times their true steps in a mix (``boast``); the median ignores that.
 - ``outsider``: a node without a private swarm's key (none, or another) that does not stop when the swarm refuses
   it (``verify_swarm``): it reads the members' records, asks them for their settings, joins their groups, tries to
   catch up from them and publishes its own record. It gets nothing: every call is refused (``swarm-key``) and
@@ -118,6 +119,11 @@ class Attack:
         direction = torch.randn(theta.shape, generator=torch.Generator().manual_seed(self.seed))
         size = max(float(theta.norm()), theta.numel() ** 0.5)
         theta.add_(direction, alpha=self.scale * size / float(direction.norm()))
+
+    def boast(self, moved: torch.Tensor) -> torch.Tensor:
+        """own-state, self-certified: the steps I claim in a gossip mix (``OuterOptimizer.moved``, squared norms per
+        chunk), ``BIG_WEIGHT`` times my true ones, to widen the robust mix's radius (``Aggregator.floor``)."""
+        return moved * BIG_WEIGHT**2
 
     def certify(self, round_: int, digest: str) -> dict[str, Any]:
         """self-certified: a certificate that another peer held my state ``digest`` at the end of the round before

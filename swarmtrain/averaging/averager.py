@@ -45,8 +45,10 @@ log = logging.getLogger(__name__)
 # an outer momentum the state is theta_g alone (its digest, the gossip mix and the state download); 13: a signed
 # digest carries a "held" signature, joins carry a certificate of the joiner's state, and a signed group says whose
 # state counts in a mix (``Group.counted``); 14: the state digest is the hash of its chunk hashes, and a signed
-# gossip round's state parts are checked against them (``AllReduce._check_chunk``).
-PROTOCOL_VERSION = 14
+# gossip round's state parts are checked against them (``AllReduce._check_chunk``); 15: a part carries its sender's
+# claimed step (signed with it where reducers are checked), and a robust mix counts states about a step apart.
+PROTOCOL_VERSION = 15
+STATE_FLOOR = 2.0  # see ``state_aggregator``: twice a step, as the update's norm clip (``clip=2``)
 _ROUTE_WAIT = 5.0  # a member may hear of its group a moment after a peer that already sends
 _SMALL = 1 << 16
 _LEDGERS = 8  # decisions of the last rounds this member confirmed, served to members that could not
@@ -110,8 +112,10 @@ class Averager:
         # Combines the states of a gossip mix: the same kind, without the norm clip (a state's norm says nothing of
         # how far it is from the others; centered-clip's radius and a median or trim do). A certificate shows only
         # that some key signed a state, and keys are free, so a robust swarm does not let a counted state pull the
-        # mix further than the others' spread: where most members hold one state, the mix is that state.
-        self.state_aggregator = replace(self.aggregator, clip=0.0)
+        # mix much further than the members' own steps: centered-clip's radius is at least ``STATE_FLOOR`` times
+        # the median member's last outer step (``Aggregator.floor``), so honest gossip lines a round or two apart
+        # mix as in the mean, and a state far away pulls by about that radius / (group size - 1) a round.
+        self.state_aggregator = replace(self.aggregator, clip=0.0, floor=STATE_FLOOR)
         self.attack = attack  # tests only (``attack.kind``): turns my honest update into a hostile one
         kind = getattr(attack, "kind", "")
         self.equivocate = kind == "equivocate"  # tests only: tells members different things
@@ -121,6 +125,7 @@ class Averager:
         own_state = kind in ("own-state", "self-certified")
         self.steer = attack.steer if own_state else None  # tests only: a state of my own
         self.certify = attack.certify if kind == "self-certified" else None
+        self.boast = attack.boast if own_state else None  # tests only: claims huge steps in a mix
         # Signs my reports and digests and checks the others' (``signing``): a node always signs, with its identity
         # key; the in-process simulator and most unit tests run unsigned (peer ids there are not keys).
         self.signer = signer
@@ -451,12 +456,13 @@ class Averager:
         before mixing (None when not mixed), whether the group mixed, and whether I heard anyone."""
         r.enter(Step.MIX)
         state = torch.cat(list(self.outer.state_tensors().values()))
+        moved = self.outer.moved if self.boast is None else self.boast(self.outer.moved)
         # Signed, each member's parts are checked against the digest it joined with (``AllReduce._check_chunk``).
         mixing = self._allreduce(
             group, state, r.exchange_started + r.budget, codec=get_codec("fp32"), tag="/state",
             weights=group.mix_weights, chunk=chunk_numel(state.numel()) if group.counted else 0,
             digests=dict(zip(group.members, group.digests, strict=True)) if group.counted else None,
-            hashes=self.outer.chunk_hashes() if group.counted else b"",
+            hashes=self.outer.chunk_hashes() if group.counted else b"", moved=moved,
         )  # fmt: skip
         mixing.opens = r.exchange_started
         try:
@@ -638,6 +644,7 @@ class Averager:
         chunk: int = 0,
         digests: dict[str, str] | None = None,
         hashes: bytes = b"",
+        moved: torch.Tensor | None = None,
     ) -> GroupExchange:
         allreduce: GroupExchange
         if codec is None and self.codec_up.sparse:
@@ -656,7 +663,7 @@ class Averager:
                 signer=self.signer, equivocate=self.equivocate, verify=self.verify, rng=self.rng,
                 alter=self.alter if codec is None else None,
                 suspects=self.matchmaker.bans.suspects(group.round) if codec is None else (), weights=weights,
-                chunk=chunk, digests=digests, hashes=hashes,
+                chunk=chunk, digests=digests, hashes=hashes, moved=moved,
             )  # fmt: skip
         allreduce.withhold = self.withhold
         route = self._route(allreduce.route)

@@ -61,6 +61,33 @@ def chunk_hashes(*tensors: torch.Tensor) -> bytes:
     return b"".join(hashes)
 
 
+def chunk_square_sums(*tensors: torch.Tensor) -> torch.Tensor:
+    """The sum of squares of each chunk of ``tensors`` end to end (the chunks of ``chunk_hashes``), in float64."""
+    numel = sum(t.numel() for t in tensors)
+    sums = torch.zeros(-(-numel // chunk_numel(numel)), dtype=torch.float64)
+    at = 0
+    for t in tensors:
+        add_square_sums(sums, t, at, chunk_numel(numel))
+        at += t.numel()
+    return sums
+
+
+def add_square_sums(sums: torch.Tensor, tensor: torch.Tensor, at: int, chunk: int, scale: float = 1.0) -> None:
+    """Add the squares of ``scale * tensor``, which starts at element ``at`` of a state, to its chunks' ``sums``."""
+    t, pos = tensor.detach().reshape(-1), 0
+    while pos < t.numel():
+        index, offset = divmod(at + pos, chunk)
+        whole = (t.numel() - pos) // chunk if offset == 0 else 0
+        if whole:  # whole chunks at once
+            block = t[pos : pos + whole * chunk].view(whole, chunk)
+            sums[index : index + whole] += block.norm(dim=1).double().square() * scale**2
+            take = whole * chunk
+        else:  # a chunk that begins or ends in another tensor, or the short last one
+            take = min(chunk - offset, t.numel() - pos)
+            sums[index] += (float(t[pos : pos + take].norm()) * scale) ** 2
+        pos += take
+
+
 def chunk_root(hashes: bytes) -> str:
     """The state digest of a state with these chunk hashes."""
     return blake3.blake3(hashes).hexdigest()[:24]
@@ -79,14 +106,26 @@ class OuterOptimizer:
         self.nesterov = nesterov
         self.buf = torch.zeros_like(theta) if momentum else None
         self._digest: tuple[tuple[int, ...], bytes, str] | None = None
+        # How far my last step moved each chunk of the state (``chunk_square_sums``; zeros before the first): what
+        # I claim in a gossip mix, where the robust mix counts states about a step apart (``Aggregator.floor``).
+        numel = theta.numel() * (1 if self.buf is None else 2)
+        self.moved = torch.zeros(-(-numel // chunk_numel(numel)), dtype=torch.float64)
 
     def step(self, grad: torch.Tensor) -> None:
+        numel = self.theta.numel()
+        chunk = chunk_numel(numel * (1 if self.buf is None else 2))
+        moved = torch.zeros_like(self.moved)
         if self.buf is not None:
+            # How far the buffer moves: momentum * buf + grad - buf.
+            spare = grad.add(self.buf, alpha=self.momentum - 1)
+            add_square_sums(moved, spare, numel, chunk)
             self.buf.mul_(self.momentum).add_(grad)
-            update = grad.add(self.buf, alpha=self.momentum) if self.nesterov else self.buf
+            update = torch.add(grad, self.buf, alpha=self.momentum, out=spare) if self.nesterov else self.buf
         else:
             update = grad
+        add_square_sums(moved, update, 0, chunk, self.lr)
         self.theta.sub_(update, alpha=self.lr)
+        self.moved = moved
 
     def state_tensors(self) -> dict[str, torch.Tensor]:
         """The state every member holds alike, by name: what the digest covers, joiners download and checkpoints

@@ -11,7 +11,10 @@
 - ``centered-clip``: CenteredClip (Karimireddy, He and Jaggi 2021; hivemind and BTARD use it): start from the
   median and take ``iters`` steps ``v += sum_i w_i min(1, r / |x_i - v|) (x_i - v) / sum_i w_i``, with the radius
   ``r = tau`` times the median distance of the contributions from the start. Contributions within ``r`` count as
-  in the mean; one far away pulls by at most ``r`` per step.
+  in the mean; one far away pulls by at most ``r`` per step. With ``floor`` (a gossip mix of states, not a setting)
+  the radius is at least ``floor`` times the median of the step sizes the contributors claim (``reduce``'s
+  ``steps``): where most members hold one state, the median distance is 0, and a state one or two outer steps
+  away (an honest gossip line) still counts in the mean, while one far away pulls by at most that radius.
 
 Two guards come first, for every kind but a bare ``mean``:
 
@@ -87,6 +90,8 @@ class Aggregator:
     """The norm clip: at most this multiple of the median norm of the part's contributions (0: off)."""
     cap: float = 0.0
     """The weight cap: at most this multiple of the median token weight of the group's contributors (0: off)."""
+    floor: float = 0.0
+    """centered-clip: the radius is at least this multiple of the median step the contributors claim (0: off)."""
 
     @property
     def plain(self) -> bool:
@@ -109,8 +114,13 @@ class Aggregator:
         limit = self.cap * median([w for w in weights if w > 0])
         return [min(w, limit) for w in weights]
 
-    def reduce(self, rows: Sequence[torch.Tensor], weights: Sequence[float], out: torch.Tensor) -> None:
-        """Write the combination of ``rows`` (equal lengths, in member order) with token ``weights`` into ``out``."""
+    def reduce(
+        self, rows: Sequence[torch.Tensor], weights: Sequence[float], out: torch.Tensor, steps: Sequence[float] = ()
+    ) -> None:
+        """Write the combination of ``rows`` (equal lengths, in member order) with token ``weights`` into ``out``.
+
+        ``steps``: for ``floor``, each contributor's claim of how far its last outer step moved these coordinates
+        (a norm). A claim is not checked; the median of the claims is honest while most contributors are."""
         if not rows:
             raise ValueError("nothing to aggregate")
         total = sum(weights)
@@ -127,7 +137,7 @@ class Aggregator:
         elif self.kind == "trimmed-mean":
             self._trimmed(rows, weights, out)
         else:
-            self._centered_clip(rows, weights, out)
+            self._centered_clip(rows, weights, out, self.floor * median(steps) if self.floor > 0 else 0.0)
 
     def _clipped(self, rows: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         if self.clip <= 0:
@@ -153,9 +163,11 @@ class Aggregator:
             denominator.add_(kept * w)
         torch.div(numerator, denominator, out=out)
 
-    def _centered_clip(self, rows: list[torch.Tensor], weights: Sequence[float], out: torch.Tensor) -> None:
+    def _centered_clip(
+        self, rows: list[torch.Tensor], weights: Sequence[float], out: torch.Tensor, least: float
+    ) -> None:
         v = _median(torch.stack(rows))
-        radius = self.tau * median([norm(r - v) for r in rows])
+        radius = max(self.tau * median([norm(r - v) for r in rows]), least)
         total = sum(weights)
         for _ in range(self.iters if radius > 0 else 0):
             step = torch.zeros_like(v)
