@@ -305,6 +305,7 @@ async def test_a_reducer_refuses_a_part_its_sender_did_not_sign_and_leaves_the_s
     for steps in ([-1.0], [float("inf")], ["1"], 0.5, []):
         with pytest.raises(Rejected, match="claimed step"):
             a._claimed({"steps": steps}, 0)
+    assert a._claimed({}, 0) == 0.0  # no claim: an update's parts, or an unchunked mix
 
 
 async def test_a_reducer_keeps_what_it_averaged_for_checkers_and_a_tampered_copy_is_caught() -> None:

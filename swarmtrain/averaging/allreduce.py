@@ -230,7 +230,9 @@ class AllReduce(GroupExchange):
         steps = header.get("steps")
         if steps is None:
             return 0.0
-        claim = steps[part] if isinstance(steps, list) and isinstance(part, int) and 0 <= part < len(steps) else None
+        if not (isinstance(steps, list) and isinstance(part, int) and 0 <= part < len(steps)):
+            raise Rejected(f"bad part: no claimed step for part {part!r}")
+        claim = steps[part]
         if not isinstance(claim, float) or not 0 <= claim < float("inf"):
             raise Rejected(f"bad part: its claimed step {claim!r} is not a norm")
         return claim
