@@ -272,10 +272,11 @@ class AveragingConfig(_Section):
     min_gather_s: float = Field(3.0, gt=0.0)
     """The leader waits at least this long for late members (longer if inner phases are long)."""
     aggregator: str = "auto"
-    """How a group combines its members' updates, and in a gossip round their states (without the norm clip): mean,
-    trimmed-mean, centered-clip or median, with optional parameters ('centered-clip:tau=1,iters=5,clip=2,cap=1';
-    clip: norm clip at that multiple of the median norm, cap: token weights at that multiple of the median). auto:
-    mean in a private swarm (node.swarm_key or node.allow_peers set), centered-clip in a public one."""
+    """How a group combines its members' updates, and in a gossip round their states (without the norm clip, and
+    with centered-clip's radius at least twice the median member's last outer step): mean, trimmed-mean,
+    centered-clip or median, with optional parameters ('centered-clip:tau=1,iters=5,clip=2,cap=1'; clip: norm clip
+    at that multiple of the median norm, cap: token weights at that multiple of the median). auto: mean in a private
+    swarm (node.swarm_key or node.allow_peers set), centered-clip in a public one."""
     weighting: Literal["tokens", "equal"] = "tokens"
     """How a node's update is weighted in its group's average: by the tokens it trained this round (tokens), or
     the same for every node that trained (equal: a node with a bigger batch or a faster machine counts no more;

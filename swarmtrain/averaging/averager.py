@@ -25,7 +25,7 @@ from swarmtrain.averaging.bans import Bans
 from swarmtrain.averaging.exchange import AllReduceResult, GroupExchange, Unsettled, disputes, withholders
 from swarmtrain.averaging.group import Group
 from swarmtrain.averaging.matchmaking import MAX_WEIGHT, PROBE_AFTER_S, Matchmaker
-from swarmtrain.averaging.outer import OuterOptimizer, chunk_numel
+from swarmtrain.averaging.outer import OuterOptimizer
 from swarmtrain.averaging.robust import Aggregator
 from swarmtrain.averaging.round import Event, Lifecycle, Round, Stale, Step, Verdict, alone_applies, decide
 from swarmtrain.averaging.signing import MAX_KEY_BYTES, MAX_SIG_BYTES, RoundSigner
@@ -460,7 +460,7 @@ class Averager:
         # Signed, each member's parts are checked against the digest it joined with (``AllReduce._check_chunk``).
         mixing = self._allreduce(
             group, state, r.exchange_started + r.budget, codec=get_codec("fp32"), tag="/state",
-            weights=group.mix_weights, chunk=chunk_numel(state.numel()) if group.counted else 0,
+            weights=group.mix_weights, chunk=self.outer.chunk if group.counted else 0,
             digests=dict(zip(group.members, group.digests, strict=True)) if group.counted else None,
             hashes=self.outer.chunk_hashes() if group.counted else b"", moved=moved,
         )  # fmt: skip

@@ -61,17 +61,6 @@ def chunk_hashes(*tensors: torch.Tensor) -> bytes:
     return b"".join(hashes)
 
 
-def chunk_square_sums(*tensors: torch.Tensor) -> torch.Tensor:
-    """The sum of squares of each chunk of ``tensors`` end to end (the chunks of ``chunk_hashes``), in float64."""
-    numel = sum(t.numel() for t in tensors)
-    sums = torch.zeros(-(-numel // chunk_numel(numel)), dtype=torch.float64)
-    at = 0
-    for t in tensors:
-        add_square_sums(sums, t, at, chunk_numel(numel))
-        at += t.numel()
-    return sums
-
-
 def add_square_sums(sums: torch.Tensor, tensor: torch.Tensor, at: int, chunk: int, scale: float = 1.0) -> None:
     """Add the squares of ``scale * tensor``, which starts at element ``at`` of a state, to its chunks' ``sums``."""
     t, pos = tensor.detach().reshape(-1), 0
@@ -106,24 +95,24 @@ class OuterOptimizer:
         self.nesterov = nesterov
         self.buf = torch.zeros_like(theta) if momentum else None
         self._digest: tuple[tuple[int, ...], bytes, str] | None = None
-        # How far my last step moved each chunk of the state (``chunk_square_sums``; zeros before the first): what
-        # I claim in a gossip mix, where the robust mix counts states about a step apart (``Aggregator.floor``).
+        # How far my last step moved each chunk of the state (squared norms, ``add_square_sums``; zeros before the
+        # first): what I claim in a gossip mix, where the robust mix counts states about a step apart
+        # (``Aggregator.floor``).
         numel = theta.numel() * (1 if self.buf is None else 2)
-        self.moved = torch.zeros(-(-numel // chunk_numel(numel)), dtype=torch.float64)
+        self.chunk = chunk_numel(numel)
+        self.moved = torch.zeros(-(-numel // self.chunk), dtype=torch.float64)
 
     def step(self, grad: torch.Tensor) -> None:
-        numel = self.theta.numel()
-        chunk = chunk_numel(numel * (1 if self.buf is None else 2))
         moved = torch.zeros_like(self.moved)
         if self.buf is not None:
             # How far the buffer moves: momentum * buf + grad - buf.
             spare = grad.add(self.buf, alpha=self.momentum - 1)
-            add_square_sums(moved, spare, numel, chunk)
+            add_square_sums(moved, spare, self.theta.numel(), self.chunk)
             self.buf.mul_(self.momentum).add_(grad)
             update = torch.add(grad, self.buf, alpha=self.momentum, out=spare) if self.nesterov else self.buf
         else:
             update = grad
-        add_square_sums(moved, update, 0, chunk, self.lr)
+        add_square_sums(moved, update, 0, self.chunk, self.lr)
         self.theta.sub_(update, alpha=self.lr)
         self.moved = moved
 
