@@ -63,6 +63,31 @@ async def test_a_member_bringing_a_state_of_its_own_is_not_mixed_in_and_takes_th
         assert all(torch.equal(a.outer.theta, honest[0].outer.theta) for a in averagers), round_
 
 
+async def test_members_whose_states_did_not_count_do_not_outvote_the_members_whose_states_did() -> None:
+    """Two honest members and two (attack.kind = own-state) that move their theta_g away before every round: half
+    of a group of four. From round 1 on, the honest states carry certificates of round 0 and count, the others do
+    not, so the group does not mix. Only members whose state counted vote on the round's digest: the honest two
+    confirm every round (with all four digests voting, two of four was no majority and both counted themselves
+    diverged every round: two peers stalled the group). The other two do not take the honest state from a vote of
+    half the group; they catch up from the swarm."""
+    averagers = make_group("centered-clip", "own-state", members=4, hostile=2)
+    for a in averagers:
+        await a.start()
+    honest = averagers[:2]
+    generator = torch.Generator().manual_seed(6)
+    await play_round(averagers, [0.01 * torch.randn(NUMEL, generator=generator) for _ in averagers], [1.0] * 4)
+    for round_ in (1, 2):
+        deltas = [0.01 * torch.randn(NUMEL, generator=generator) for _ in averagers]
+        before = honest[0].outer.theta.clone()
+        outcomes = await play_round(averagers, deltas, [1.0] * 4)
+        for outcome in outcomes:
+            assert outcome.group.counted == (True, True, False, False) and not outcome.group.mixed, outcome.group
+        assert [o.outcome for o in outcomes] == ["applied", "applied", "diverged", "diverged"], (round_, outcomes)
+        assert torch.equal(honest[0].outer.theta, honest[1].outer.theta), round_
+        moved = (honest[0].outer.theta - before).abs().max().item()
+        assert moved < 0.1, f"round {round_}: the honest state moved by {moved}"
+
+
 @pytest.mark.parametrize(("members", "hostile"), [(4, 1), (8, 3)])
 async def test_a_state_certified_by_its_holders_second_identity_moves_a_robust_mix_by_at_most_its_radius(
     members: int, hostile: int

@@ -157,6 +157,20 @@ def test_without_a_majority_a_plain_round_is_not_confirmed() -> None:
     assert _decide("x", {"a": "x"}, reports=1).outcome == "diverged"
 
 
+def test_only_the_voters_confirm_a_state_and_taking_it_needs_a_majority_of_every_digest() -> None:
+    # A signed group that did not mix: only the voters came with states that counted (``Group.voters``).
+    digests = {"a": "x", "b": "x", "c": "x", "d": "y", "e": "z"}
+    assert _decide("x", digests, voters={"a": "x", "b": "x", "c": "x"}).outcome == "applied"
+    two_of_five = {"a": "x", "b": "x", "c": "q", "d": "y", "e": "z"}
+    assert _decide("x", two_of_five, voters={"a": "x", "b": "x"}).outcome == "applied"
+    assert _decide("x", two_of_five).outcome == "diverged"  # every digest voting: no majority
+    # My state (a) did not count: I take the voters' state only where most of all the digests hold it.
+    taken = _decide("q", {"a": "q", "b": "x", "c": "x", "d": "x", "e": "z"}, voters={"b": "x", "c": "x"})
+    assert (taken.resync, taken.agreed, taken.holders) == (True, "x", ("b", "c", "d"))
+    left = _decide("q", {"a": "q", "b": "x", "c": "x", "d": "y", "e": "z"}, voters={"b": "x", "c": "x"})
+    assert (left.outcome, left.resync) == ("diverged", False)  # x: all the voters, but two of five digests
+
+
 def test_a_gossip_round_that_did_not_mix_is_confirmed_by_most_of_the_group_without_a_majority() -> None:
     unmixed = {"a": "x", "b": "y", "c": "z"}  # states differ by design
     verdict = _decide("x", unmixed, gossip=True, mixes=False)

@@ -380,9 +380,11 @@ class Averager:
         digest = self.outer.digest()
         digests = await self._digests(r, update, digest)
         self._note_duration(result)
+        # len(update.view): the view after the digests, which relay it too
         verdict = decide(
-            self.me, digest, digests, result.applied, group.size, group.mixed, mixes, heard, len(update.view)
-        )  # the view after the digests: they relay it too
+            self.me, digest, digests, result.applied, group.size, group.mixed, mixes, heard, len(update.view),
+            voters=group.voters(digests),
+        )  # fmt: skip
         outcome, digest = await self._settle(r, verdict, digest)
         self._remember(r.number, update, outcome)
         if (cert := update.certificate(digest)) is not None:

@@ -45,6 +45,16 @@ class Group:
             return self.weights
         return tuple(w if c else 0.0 for w, c in zip(self.weights, self.counted, strict=True))
 
+    def voters(self, digests: dict[str, str]) -> dict[str, str]:
+        """The digests that vote on the group's state after the round (``round.decide``): every member's, but in a
+        group that does not mix, none of a member whose state did not count. Such a member stepped from a state of
+        its own, which no other holds, so its digest matches nobody's and would only dilute the majority of those
+        that count: two of them in a group of five with three such members could not confirm the round."""
+        if self.mixed or not self.counted:
+            return digests
+        counts = dict(zip(self.members, self.counted, strict=True))
+        return {peer: digest for peer, digest in digests.items() if counts.get(peer, False)}
+
     @property
     def size(self) -> int:
         return len(self.members)

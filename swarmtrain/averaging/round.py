@@ -232,13 +232,15 @@ def decide(
     mixes: bool,
     heard: bool,
     reports: int,
+    voters: dict[str, str] | None = None,
 ) -> Verdict:
     """The outcome of a round with others, from the data its members agreed on.
 
     ``digest``: my state after the step; ``digests``: the relayed view of digests (those that got through the
     round, mine included); ``applied``: the agreed decision per slot; ``gossip``: a mixed group, ``mixes``: whether
     it mixed (the agreed decision), ``heard``: whether I heard another member in the state exchange (true when not
-    mixed); ``reports``: the members in my view of the update exchange's reports.
+    mixed); ``reports``: the members in my view of the update exchange's reports; ``voters``: the digests of that
+    view that vote on the group's state (``Group.voters``; None: all of them).
     """
     # A gossip group that did not mix keeps the states its members came with: they differ by design, so nobody
     # has to confirm mine. The digests are still exchanged: a member that decided alone (cut off from the
@@ -246,18 +248,22 @@ def decide(
     identical = not gossip or mixes
     outcome = "applied" if all(applied) and identical else "fallback"
     # The vote counts the members in the relayed view of digests, not the group's size: two identical survivors
-    # of four confirm each other. A state held by a strict majority of that view, by two members at least, is the
-    # group's.
-    agreed = digest_vote(digests)
-    votes = sum(1 for d in digests.values() if d == agreed)
-    majority = votes >= 2 and votes * 2 > len(digests)
+    # of four confirm each other. A state held by a strict majority of the voters, by two members at least, is the
+    # group's. Taking it from others needs a strict majority of every digest too: members whose state counted may
+    # be few (and a self-certified state counts), and where the members that came with uncounted states are most
+    # of the group, they catch up from the swarm rather than take that state.
+    voters = digests if voters is None else voters
+    agreed = digest_vote(voters) if voters else digest
+    votes = sum(1 for d in voters.values() if d == agreed)
+    majority = votes >= 2 and votes * 2 > len(voters)
+    adopt = majority and sum(1 for d in digests.values() if d == agreed) * 2 > len(digests)
     # A member that heard no one's report decided alone: in a gossip round that did not mix nobody can confirm or
     # refute its state, so it counts itself diverged rather than trust a decision nobody shared. Likewise a member
     # that did not mix and holds the digests of half the group or fewer: the others may have mixed (their common
     # digest would be a majority) without its hearing of it.
     alone = reports < 2 or not heard
     unmixed = not identical and not majority and not alone and len(digests) * 2 > group_size
-    if majority and digest != agreed:
+    if adopt and digest != agreed:
         holders = tuple(p for p, d in digests.items() if d == agreed and p != me)
         return Verdict(outcome, agreed, alone, resync=True, holders=holders)
     confirmed = (majority and digest == agreed) or unmixed
