@@ -27,7 +27,8 @@ With ``--cuts`` a round may also cut one stream of parts or results after 0-3 fr
 With ``--joins`` a round without another failure may have its leader freeze (SIGSTOP) as it answers the joins: one
 member's answer stays in the frozen process until it resumes, the others have theirs. Then:
 
-(f) every member that stayed live and unfrozen ends the round in the same group (the one the leader formed).
+(f) every member that stayed live and unfrozen ends the round in the same group (the one the leader formed), but
+    one that another member banned (``--signed``) before the round.
 
 The member the leader did not answer learns of its group from the first message another member sends it; where
 every other member contributes nothing (weight 0), that may come too late: a second failure, so (c), (e) and (f)
@@ -35,24 +36,39 @@ are not checked then.
 
 Each seed also draws the group's aggregator (``robust``), so (a)-(c) hold for the robust ones too.
 
+With ``--signed`` the members are a public swarm's: each signs its parts, reports and digests with an identity key
+(a fixed pool of keys made from seeds, so a seed replays in any process), checks 0, 1 or 3 parts of other
+reducers' shards a round (``verify``), bans as a node does, and a state brought from another group carries a
+certificate signed by another peer, so the gossip mix is the robust one with its radius floor. The faults may
+also hit the check of a reducer ("evidence") and the request for proofs of a relayed value ("proofs"). (a)-(f)
+hold as above, but in a group that does not mix (e) holds a member whose state did not count (it has no vote,
+``Group.voters``) only to take the group's state where the members whose state counted are most of the group.
+An honest member can be banned under faults: one that lost the results of two shards withheld them in its report,
+as a hostile one would (``exchange.withholders``), and (f) leaves it out.
+
 Replay one seed (prints every violation; ``--log INFO`` shows the members' logs):
-``python -m swarmtrain.averaging.sim --seed 17 --rounds 2``.
+``python -m swarmtrain.averaging.sim --seed 17 --rounds 2`` (add ``--cuts``, ``--joins``, ``--signed`` as the
+seed was run).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import logging
 import random
 import selectors
 import sys
 from collections import Counter
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric import rsa
+from hivemind.utils.crypto import RSAPrivateKey
 
 from swarmtrain.averaging.averager import DIGEST_SHARE, Averager, RoundOutcome
 from swarmtrain.averaging.exchange import PING_FAILURES
@@ -60,13 +76,19 @@ from swarmtrain.averaging.group import Group
 from swarmtrain.averaging.matchmaking import LEADER_FAILOVER_S
 from swarmtrain.averaging.robust import KINDS as AGGREGATORS
 from swarmtrain.averaging.robust import parse_aggregator
+from swarmtrain.averaging.signing import RoundSigner
 from swarmtrain.compression import get_codec
+from swarmtrain.config import Config
+from swarmtrain.dht.identity import peer_id_of
 from swarmtrain.net import MemoryNetwork, PeerUnreachable, RpcTimeout
 
 CODECS = ("fp32", "fp16", "int8", "int4", "topk:frac=0.25", "dct-topk:chunk=16,k=4", "powersgd:rank=1")
 FAULT_METHODS = ("parts", "results", "results", "report", "report", "report", "digest", "ping")
 KINDS = ("reset", "reset-after", "delay", "late-delay", "duplicate", "late", "kill", "freeze")
+SIGNED_METHODS = ("evidence", "evidence", "proofs")  # calls only a signed round makes
+VERIFY = (0.0, 1.0, 3.0)  # parts of other reducers' shards a signed member checks a round
 GATHER_S = 1.0
+MAX_MEMBERS = 8
 
 
 class Deadlock(RuntimeError):
@@ -96,6 +118,28 @@ class VirtualClockLoop(asyncio.SelectorEventLoop):
 
     def time(self) -> float:
         return self._idle.now
+
+    def call_at(self, when: float, callback: Callable[..., Any], *args: Any, context: Any = None) -> Any:
+        """A timer, which moves the clock to ``when`` as it fires: asyncio fires timers up to its clock resolution
+        early, and a deadline a member computes from ``time()`` then stays a hair ahead of a clock that never gets
+        there (a leader waited out 4e-15 s of its gather forever)."""
+
+        def fire(*args: Any) -> None:
+            self._idle.now = max(self._idle.now, when)
+            callback(*args)
+
+        return super().call_at(when, fire, *args, context=context)
+
+    def run_in_executor(self, executor: Any, func: Callable[..., Any], *args: Any) -> asyncio.Future[Any]:
+        """Run ``func`` at once, in the loop's thread (``asyncio.to_thread`` comes here): a thread's result would
+        arrive at a wall time the virtual clock knows nothing of, so a timer could fire first, in some runs of a
+        seed and not in others (a resync's probe of a donor's manifest timed out so)."""
+        future = self.create_future()
+        try:
+            future.set_result(func(*args))
+        except Exception as exc:  # noqa: BLE001 - the caller awaits it, as it would a thread's
+            future.set_exception(exc)
+        return future
 
 
 @dataclass
@@ -230,6 +274,78 @@ def draw_join_freeze(rng: random.Random, members: list[str], plan: list[Fault], 
     return [Fault("freeze-answer", rng.choice(members[1:]), "join", 0, rng.uniform(0.5, 2 * budget))]
 
 
+def draw_signed_fault(rng: random.Random, members: list[str], budget: float) -> list[Fault]:
+    """Maybe one fault on a call only signed rounds make (``--signed``): a check of a reducer, or a request for
+    proofs; a reset, a delay or a copy, none a failure by itself. From its own generator, like cuts."""
+    if rng.random() < 0.5:
+        return []
+    kind = rng.choice(("reset", "reset-after", "delay", "duplicate"))
+    method, nth = rng.choice(SIGNED_METHODS), rng.randrange(4)
+    return [Fault(kind, rng.choice(members), method, nth, rng.uniform(0, 0.3 * budget))]
+
+
+_SMALL_PRIMES = [p for p in range(3, 2000, 2) if all(p % d for d in range(3, int(p**0.5) + 1, 2))]
+
+
+def _probably_prime(n: int, rng: random.Random, rounds: int = 40) -> bool:
+    """Miller-Rabin with ``rounds`` random bases."""
+    d, s = n - 1, 0
+    while d % 2 == 0:
+        d, s = d // 2, s + 1
+    for _ in range(rounds):
+        x = pow(rng.randrange(2, n - 1), d, n)
+        if x in (1, n - 1):
+            continue
+        for _ in range(s - 1):
+            x = pow(x, 2, n)
+            if x == n - 1:
+                break
+        else:
+            return False
+    return True
+
+
+def _prime(rng: random.Random, bits: int, e: int) -> int:
+    """A prime of exactly ``bits`` bits (its top two set, so that two make a modulus of twice as many) with
+    gcd(p - 1, e) = 1."""
+    while True:
+        n = rng.getrandbits(bits) | (3 << (bits - 2)) | 1
+        if all(n % p for p in _SMALL_PRIMES) and (n - 1) % e and _probably_prime(n, rng):
+            return n
+
+
+@functools.cache
+def identities() -> tuple[tuple[str, RSAPrivateKey], ...]:
+    """``MAX_MEMBERS`` identity keys (RSA, 1024 bits) and their peer ids, sorted by peer id, the keys made from
+    fixed seeds: a seed's members, and so its leaders and shards, are the same in every process that replays it.
+    (A node's key comes from the system's generator; these sign only simulated rounds.)"""
+    keys, e = [], 65537
+    for i in range(MAX_MEMBERS):
+        rng = random.Random(f"swarmtrain sim identity {i}")
+        p = q = _prime(rng, 512, e)
+        while q == p:
+            q = _prime(rng, 512, e)
+        d = pow(e, -1, (p - 1) * (q - 1))
+        public = rsa.RSAPublicNumbers(e, p * q)
+        numbers = rsa.RSAPrivateNumbers(
+            p, q, d, rsa.rsa_crt_dmp1(d, p), rsa.rsa_crt_dmq1(d, q), rsa.rsa_crt_iqmp(p, q), public
+        )
+        der = numbers.private_key().private_bytes(
+            serialization.Encoding.DER, serialization.PrivateFormat.TraditionalOpenSSL, serialization.NoEncryption()
+        )
+        key = RSAPrivateKey.__new__(RSAPrivateKey)
+        key.__setstate__({"_private_key": der})  # how hivemind unpickles a key: it has no other way to load one
+        keys.append((peer_id_of(key.get_public_key().to_bytes()), key))
+    return tuple(sorted(keys, key=lambda k: k[0]))
+
+
+def certify(averager: Averager, signer: RoundSigner) -> None:
+    """Give ``averager``'s state a certificate from ``signer`` (another peer's key), as a member of the group it
+    came from signs its digest: that peer held the state at the end of the last round."""
+    digest, held = averager.outer.digest(), averager.round - 1
+    averager.certified = (digest, {"round": held, "key": signer.public, "sig": signer.sign_held(held, digest)})
+
+
 def draw_faults(rng: random.Random, members: list[str], budget: float) -> list[Fault]:
     plan: list[Fault] = []
     failed = False  # at most one failure per round: a member killed or frozen, or one link slower than the deadline
@@ -267,12 +383,15 @@ def _residual(averager: Averager) -> torch.Tensor:
     return averager.residual if averager.residual is not None else torch.zeros_like(averager.outer.theta)
 
 
-async def simulate(seed: int, rounds: int = 2, cuts: bool = False, joins: bool = False) -> list[str]:
+async def simulate(
+    seed: int, rounds: int = 2, cuts: bool = False, joins: bool = False, signed: bool = False
+) -> list[str]:
     """Run one seed; return its violations (empty: the protocol held). ``cuts`` adds streams cut midway, ``joins``
-    leaders that freeze as they answer the joins."""
+    leaders that freeze as they answer the joins, ``signed`` a public swarm's signed and checked rounds."""
     rng = random.Random(seed)
     cut_rng = random.Random(seed ^ 0xC07)
     join_rng = random.Random(seed ^ 0x701)
+    signed_rng = random.Random(seed ^ 0x516)
     torch.default_generator.manual_seed(seed)  # the CPU generator only: seeding every accelerator costs ms
     n = rng.randint(2, 8)
     numel = rng.choice([24, 61, 200])
@@ -282,23 +401,28 @@ async def simulate(seed: int, rounds: int = 2, cuts: bool = False, joins: bool =
     # The aggregator comes from its own generator: the schedules every seed replays stay as they were.
     kinds = ("mean", "centered-clip") if codec.startswith(("topk", "dct")) else AGGREGATORS
     aggregator = parse_aggregator(random.Random(seed ^ 0x5EED).choice(kinds))
+    verify = signed_rng.choice(VERIFY) if signed else 0.0
+    keys = identities() if signed else ()
+    signers = [RoundSigner(key) for _, key in keys]
     net = MemoryNetwork()
     faults = Faults(net)
     members = []
     for i in range(n):
-        transport = net.transport(f"peer{i}")
+        transport = net.transport(keys[i][0] if signed else f"peer{i}")
         faults.wrap(transport)
         averager = Averager(
             transport, torch.zeros(numel), run_id="sim", group_size=16, outer_lr=lr, outer_momentum=momentum,
             codec_up=get_codec(codec), codec_down=get_codec(codec), part_numel=part_numel,
             min_deadline=1.0, deadline_factor=4.0, aggregator=aggregator,
+            signer=signers[i] if signed else None, verify=verify, rng=random.Random(seed * MAX_MEMBERS + i),
+            ban_rounds=Config().averaging.ban_rounds if signed else 0,
         )  # fmt: skip
         await averager.start()
         members.append(Member(averager))
     violations: list[str] = []
     setup = (
         f"seed {seed}: {n} members, numel {numel} in parts of {part_numel}, {codec}, lr {lr}, momentum {momentum}, "
-        f"{aggregator.spec}"
+        f"{aggregator.spec}" + (f", signed, verify {verify:g}" if signed else "")
     )
     for round_ in range(rounds):
         live = [m for m in members if m.alive and not m.out]
@@ -307,14 +431,19 @@ async def simulate(seed: int, rounds: int = 2, cuts: bool = False, joins: bool =
         if rng.random() < 0.4:  # gossip: some members come from another group of the last round
             for m in rng.sample(live, rng.randint(1, len(live))):
                 m.averager.outer.theta.add_(torch.randn(numel))
+                if signed:  # a peer of the group it came from signed its state
+                    other = (members.index(m) + 1 + signed_rng.randrange(MAX_MEMBERS - 1)) % MAX_MEMBERS
+                    certify(m.averager, signers[other])
         peers = [m.averager.me for m in live]
         weights = [rng.choice([0.0, 1.0, 2.0, 5.0, 100.0]) for _ in live]
         deltas = [torch.randn(numel) for _ in live]
         await asyncio.gather(*(m.averager.reconcile() for m in live))  # a member that resynced asks the decision
         before = [(m.averager.outer.theta.clone(), _residual(m.averager).clone()) for m in live]
+        banned = {p for m in live for p in m.averager.matchmaker.bans.active(m.averager.round)}
         contributed = [_contribution(m.averager, d, w) for m, d, w in zip(live, deltas, weights, strict=True)]
         own = [m.averager.deadline_s() for m in live]
         plan = draw_faults(rng, peers, 3.0) + (draw_cut(cut_rng, peers) if cuts else [])
+        plan += draw_signed_fault(signed_rng, peers, 3.0) if signed else []
         faults.new_round(plan + (draw_join_freeze(join_rng, peers, plan, 3.0) if joins else []))
         runs = [
             m.averager.run_round(d.clone(), w, peers, set(peers), gather_timeout=GATHER_S)
@@ -332,7 +461,7 @@ async def simulate(seed: int, rounds: int = 2, cuts: bool = False, joins: bool =
             live, outcomes, weights, contributed, before, own, codec, momentum, set(faults.frozen), aggregator.plain,
             failover, failures(faults.fired) + late,
         )  # fmt: skip
-        found += _check_confirmed(live, outcomes, set(faults.frozen), faults.fired, late)
+        found += _check_confirmed(live, outcomes, set(faults.frozen), faults.fired, late, banned)
         violations += [f"{context}: {v}" for v in found]
         for m, o in zip(live, outcomes, strict=True):
             if isinstance(o, RoundOutcome) and o.outcome == "diverged":
@@ -459,7 +588,12 @@ def _answered_late(live: list[Member], fired: list[str], observers: set[str]) ->
 
 
 def _check_confirmed(
-    live: list[Member], outcomes: list[Any], frozen: set[str], fired: list[str], answered_late: bool
+    live: list[Member],
+    outcomes: list[Any],
+    frozen: set[str],
+    fired: list[str],
+    answered_late: bool,
+    banned: set[str],
 ) -> list[str]:
     """(e) a member that stayed live and answered, in a group where another one did too, confirms the round: with
     one failure a round, the two agree on their digests and each holds the other's. (A message slower than its
@@ -476,10 +610,21 @@ def _check_confirmed(
     for me, o in correct.items():
         others = [p for p in o.group.members if p != me and p in correct and correct[p].group == o.group]
         unmixed = o.group.mixed and not o.mixed  # states differ by design: the minority takes the majority's
-        if others and not unmixed and o.outcome.startswith("diverged"):
+        if not o.group.mixed and o.group.counted:  # signed: only members whose state counted vote (``voters``)
+            counted = [p for p in others if o.group.counted[o.group.index(p)]]
+            if not o.group.counted[o.group.index(me)]:
+                # I came with a state that did not count: I take the group's where most of the group holds it
+                if 2 * len(counted) > o.group.size and o.outcome == "diverged":
+                    found.append(f"(e) {me} did not take the group's state though {counted} hold it")
+            elif counted and o.outcome.startswith("diverged"):
+                found.append(f"(e) {me} counted itself {o.outcome} though {counted} of its group stayed live")
+        elif others and not unmixed and o.outcome.startswith("diverged"):
             found.append(f"(e) {me} counted itself {o.outcome} though {others} of its group stayed live")
-    if any(f.startswith("freeze-answer") for f in fired) and len({o.group for o in correct.values()}) > 1:
-        groups = sorted({o.group.members for o in correct.values()})
+    # A member another one banned (signed rounds: an honest member that lost two shards' results to faults
+    # withheld them, as a hostile one would) is refused by design and forms a group of its own.
+    joined = {me: o for me, o in correct.items() if me not in banned}
+    if any(f.startswith("freeze-answer") for f in fired) and len({o.group for o in joined.values()}) > 1:
+        groups = sorted({o.group.members for o in joined.values()})
         found.append(f"(f) the members the frozen leader did and did not answer hold different groups: {groups}")
     return found
 
@@ -537,7 +682,9 @@ def _check_applied(
     return found
 
 
-def run_seed(seed: int, rounds: int = 2, quiet: bool = True, cuts: bool = False, joins: bool = False) -> list[str]:
+def run_seed(
+    seed: int, rounds: int = 2, quiet: bool = True, cuts: bool = False, joins: bool = False, signed: bool = False
+) -> list[str]:
     """Run one seed on a fresh virtual-clock loop; the members' logs are silenced unless ``quiet`` is False."""
     loop = VirtualClockLoop()
     logger = logging.getLogger("swarmtrain")
@@ -545,7 +692,7 @@ def run_seed(seed: int, rounds: int = 2, quiet: bool = True, cuts: bool = False,
     if quiet:
         logger.setLevel(logging.CRITICAL)
     try:
-        return loop.run_until_complete(simulate(seed, rounds, cuts, joins))
+        return loop.run_until_complete(simulate(seed, rounds, cuts, joins, signed))
     except Deadlock as exc:
         return [f"seed {seed}: {exc}"]
     finally:
@@ -558,8 +705,8 @@ def run_seed(seed: int, rounds: int = 2, quiet: bool = True, cuts: bool = False,
         logger.setLevel(level)
 
 
-def replay_command(seed: int, rounds: int = 2, cuts: bool = False, joins: bool = False) -> str:
-    flags = (" --cuts" if cuts else "") + (" --joins" if joins else "")
+def replay_command(seed: int, rounds: int = 2, cuts: bool = False, joins: bool = False, signed: bool = False) -> str:
+    flags = (" --cuts" if cuts else "") + (" --joins" if joins else "") + (" --signed" if signed else "")
     return f"python -m swarmtrain.averaging.sim --seed {seed} --rounds {rounds}{flags}"
 
 
@@ -571,11 +718,14 @@ def main() -> None:
     parser.add_argument("--log", default="CRITICAL", help="log level of the members (INFO shows the round)")
     parser.add_argument("--cuts", action="store_true", help="also cut streams of parts or results midway")
     parser.add_argument("--joins", action="store_true", help="also freeze leaders as they answer the joins")
+    parser.add_argument("--signed", action="store_true", help="a public swarm's signed, checked rounds")
     args = parser.parse_args()
     logging.basicConfig(level=args.log, format="%(asctime)s %(name)s %(message)s")
     failed = 0
     for seed in range(args.seed, args.seed + args.count):
-        violations = run_seed(seed, args.rounds, quiet=args.log == "CRITICAL", cuts=args.cuts, joins=args.joins)
+        violations = run_seed(
+            seed, args.rounds, quiet=args.log == "CRITICAL", cuts=args.cuts, joins=args.joins, signed=args.signed
+        )
         failed += bool(violations)
         for v in violations:
             print(v)
