@@ -402,6 +402,7 @@ async def simulate(
     kinds = ("mean", "centered-clip") if codec.startswith(("topk", "dct")) else AGGREGATORS
     aggregator = parse_aggregator(random.Random(seed ^ 0x5EED).choice(kinds))
     verify = signed_rng.choice(VERIFY) if signed else 0.0
+    ban_rounds = Config().averaging.ban_rounds if signed else 0  # a node's
     keys = identities() if signed else ()
     signers = [RoundSigner(key) for _, key in keys]
     net = MemoryNetwork()
@@ -415,7 +416,7 @@ async def simulate(
             codec_up=get_codec(codec), codec_down=get_codec(codec), part_numel=part_numel,
             min_deadline=1.0, deadline_factor=4.0, aggregator=aggregator,
             signer=signers[i] if signed else None, verify=verify, rng=random.Random(seed * MAX_MEMBERS + i),
-            ban_rounds=Config().averaging.ban_rounds if signed else 0,
+            ban_rounds=ban_rounds,
         )  # fmt: skip
         await averager.start()
         members.append(Member(averager))
