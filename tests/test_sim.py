@@ -72,8 +72,10 @@ ANSWERED_LATE = (600543, 3)
 # them), so the group did not mix, and the two members whose state counted held two of five digests: no majority,
 # and all four survivors counted themselves diverged. Only members whose state counted vote now (``Group.voters``).
 # The same seed showed a resync time out at random: a donor hashes its manifest in a thread, whose result the
-# virtual clock did not wait for (``VirtualClockLoop`` now runs such work inline).
-FOUND_SIGNED = [(12, 2)]
+# virtual clock did not wait for (``VirtualClockLoop`` now runs such work inline). Seed 40137 spun for ever: a
+# leader's gather deadline stayed 4e-15 s ahead of a virtual clock that a timer fired early never moved (a timer
+# now moves the clock to its time).
+FOUND_SIGNED = [(12, 2), (40137, 2)]
 
 
 def violations(seed: int, rounds: int, cuts: bool = False, joins: bool = False, signed: bool = False) -> list[str]:
@@ -132,8 +134,8 @@ def test_signed_seeds_that_found_breaks_hold_now(seed: int, rounds: int) -> None
     check([seed], rounds, signed=True)
 
 
-def test_200_seeds_of_signed_checked_rounds_keep_every_round_invariant() -> None:
-    check(list(range(40_000, 40_200)), rounds=2, signed=True)
+def test_100_seeds_of_signed_checked_rounds_keep_every_round_invariant() -> None:
+    check(list(range(40_000, 40_100)), rounds=2, signed=True)
 
 
 @pytest.mark.slow
