@@ -195,8 +195,10 @@ class Faults:
             await self._wait_thawed((src, peer), timeout)
             if fault is None:
                 return await original(peer, method, header, frames, count=count, timeout=timeout, **bounds)
-            entry = len(self.fired)  # other calls may fire while this one waits: its entry is this one
-            self.fired.append(f"{fault.kind} {src}->{peer} {method}#{n}")
+            # Other calls may fire while this one waits: its entry is this one, in this round's list (a send left in
+            # the background may wake in the next round, which has a list of its own).
+            fired, entry = self.fired, len(self.fired)
+            fired.append(f"{fault.kind} {src}->{peer} {method}#{n}")
             if fault.kind == "kill":
                 self.net.kill(src)
                 raise PeerUnreachable(f"{method} to {peer}: killed")
@@ -220,7 +222,7 @@ class Faults:
             if fault.kind in ("delay", "late-delay"):  # the link is slow: the delay counts against the timeout
                 await asyncio.sleep(min(fault.seconds, timeout))
                 if fault.seconds >= timeout:
-                    self.fired[entry] += " (timed out)"
+                    fired[entry] += " (timed out)"
                     raise RpcTimeout(f"{method} to {peer} timed out (delayed {fault.seconds:.2f} s)")
                 timeout -= fault.seconds
             answer = await original(peer, method, header, frames, count=count, timeout=timeout, **bounds)
