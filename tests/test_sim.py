@@ -76,26 +76,34 @@ ANSWERED_LATE = (600543, 3)
 # leader's gather deadline stayed 4e-15 s ahead of a virtual clock that a timer fired early never moved (a timer
 # now moves the clock to its time).
 FOUND_SIGNED = [(12, 2), (40137, 2)]
+STEERED = 2  # a hostile member that scales its update, in a group whose plain mean it steers
 
 
-def violations(seed: int, rounds: int, cuts: bool = False, joins: bool = False, signed: bool = False) -> list[str]:
-    return run_seed(seed, rounds, cuts=cuts, joins=joins, signed=signed)
+def violations(
+    seed: int, rounds: int, cuts: bool = False, joins: bool = False, signed: bool = False, hostile: bool = False
+) -> list[str]:
+    return run_seed(seed, rounds, cuts=cuts, joins=joins, signed=signed, hostile=hostile)
 
 
 def check(
-    seeds: list[int], rounds: int, workers: int = 1, cuts: bool = False, joins: bool = False, signed: bool = False
+    seeds: list[int],
+    rounds: int,
+    workers: int = 1,
+    cuts: bool = False,
+    joins: bool = False,
+    signed: bool = False,
+    hostile: bool = False,
 ) -> None:
+    modes = (cuts, joins, signed, hostile)
     if workers > 1:
         n = len(seeds)
         with ProcessPoolExecutor(workers) as pool:
-            runs = pool.map(violations, seeds, [rounds] * n, [cuts] * n, [joins] * n, [signed] * n, chunksize=50)
+            runs = pool.map(violations, seeds, [rounds] * n, *([mode] * n for mode in modes), chunksize=50)
             found = dict(zip(seeds, runs, strict=True))
     else:
-        found = {seed: violations(seed, rounds, cuts, joins, signed) for seed in seeds}
+        found = {seed: violations(seed, rounds, *modes) for seed in seeds}
     failures = {seed: v for seed, v in found.items() if v}
-    lines = [
-        f"{replay_command(seed, rounds, cuts, joins, signed)}\n  " + "\n  ".join(v) for seed, v in failures.items()
-    ]
+    lines = [f"{replay_command(seed, rounds, *modes)}\n  " + "\n  ".join(v) for seed, v in failures.items()]
     assert not failures, f"{len(failures)} of {len(seeds)} seeds broke an invariant:\n" + "\n".join(lines)
 
 
@@ -138,6 +146,18 @@ def test_100_seeds_of_signed_checked_rounds_keep_every_round_invariant() -> None
     check(list(range(40_000, 40_100)), rounds=2, signed=True)
 
 
+def test_100_seeds_with_a_hostile_member_keep_every_round_invariant() -> None:
+    check(list(range(50_000, 50_100)), rounds=2, hostile=True)
+
+
+def test_the_steering_check_sees_a_hostile_member_move_a_plain_mean_and_not_a_robust_aggregator() -> None:
+    """(g) can fail: seed 2's hostile member scales its update by 10; the plain mean, which a private swarm uses,
+    follows it (3.7 to 6.1 times the largest honest contribution off the honest mean), centered-clip does not."""
+    steered = [v for v in run_seed(STEERED, 2, hostile=True, aggregate="mean") if "(g)" in v]
+    assert steered and all("hostile (scale)" in v for v in steered)
+    assert run_seed(STEERED, 2, hostile=True, aggregate="centered-clip") == []
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(7200)
 def test_20000_seeds_break_no_invariant() -> None:
@@ -154,3 +174,9 @@ def test_4000_three_round_seeds_with_cuts_and_frozen_leaders_break_no_invariant(
 @pytest.mark.timeout(3600)
 def test_1000_signed_three_round_seeds_with_cuts_and_frozen_leaders_break_no_invariant() -> None:
     check(list(range(30_000, 31_000)), rounds=3, workers=os.cpu_count() or 1, cuts=True, joins=True, signed=True)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(3600)
+def test_1000_three_round_seeds_with_a_hostile_member_cuts_and_frozen_leaders_break_no_invariant() -> None:
+    check(list(range(32_000, 33_000)), rounds=3, workers=os.cpu_count() or 1, cuts=True, joins=True, hostile=True)

@@ -79,7 +79,9 @@ class Attack:
     z: float = 1.0
     seed: int = 0
     _noise: torch.Generator = field(init=False, repr=False)  # ``random``: fresh noise every round, seeded
-    _sybil: RoundSigner | None = field(default=None, init=False, repr=False)  # ``self-certified``: my second key
+    # self-certified: my second identity, made on first use where not given (the simulator gives one of its
+    # fixed keys, so a seed replays alike)
+    sybil: RoundSigner | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -128,10 +130,10 @@ class Attack:
     def certify(self, round_: int, digest: str) -> dict[str, Any]:
         """self-certified: a certificate that another peer held my state ``digest`` at the end of the round before
         ``round_``, signed by a second identity of mine."""
-        if self._sybil is None:
-            self._sybil = RoundSigner(RSAPrivateKey())
+        if self.sybil is None:
+            self.sybil = RoundSigner(RSAPrivateKey())
         held = round_ - 1
-        return {"round": held, "key": self._sybil.public, "sig": self._sybil.sign_held(held, digest)}
+        return {"round": held, "key": self.sybil.public, "sig": self.sybil.sign_held(held, digest)}
 
     def wrap_codec(self, codec: BaseCodec) -> BaseCodec:
         """The uplink codec a node with this attack sends with: ``nan`` writes NaN payloads, the others encode."""

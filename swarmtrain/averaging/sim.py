@@ -46,9 +46,22 @@ hold as above, but in a group that does not mix (e) holds a member whose state d
 An honest member can be banned under faults: one that lost the results of two shards withheld them in its report,
 as a hostile one would (``exchange.withholders``), and (f) leaves it out.
 
+With ``--hostile`` (signed rounds) one member of each seed is hostile: it makes one of the attacks of ``attack``
+(``HOSTILE``) every round, and the group combines with a robust aggregator, as a public swarm does. The hostile
+member is a failure of its own: (a)-(f) hold the other members, (c) and (e) where the round had no other failure.
+And then:
+
+(g) no other member holds a value that is not finite; and where the hostile member is one of three or more whose
+    contributions a part of an applied shard included, that part of the group's update is no further from the
+    token-weighted mean of the other contributions than ``STEER_BOUND`` times the largest of them (dense codecs, a
+    group that did not mix). A bad reducer's shard that no other member checked is left out: it escapes, as the
+    README says (one that a member checked must not apply, or it breaks the bound). The bound is not a theorem for
+    every aggregator (a coordinate-wise median or trim is bounded coordinate by coordinate): over the seeds run, the
+    robust aggregators stayed below 1.8 where the plain mean went to 12 (``--aggregator mean``).
+
 Replay one seed (prints every violation; ``--log INFO`` shows the members' logs):
-``python -m swarmtrain.averaging.sim --seed 17 --rounds 2`` (add ``--cuts``, ``--joins``, ``--signed`` as the
-seed was run).
+``python -m swarmtrain.averaging.sim --seed 17 --rounds 2`` (add ``--cuts``, ``--joins``, ``--signed``,
+``--hostile`` as the seed was run).
 """
 
 from __future__ import annotations
@@ -70,6 +83,7 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import rsa
 from hivemind.utils.crypto import RSAPrivateKey
 
+from swarmtrain.averaging.attack import Attack
 from swarmtrain.averaging.averager import DIGEST_SHARE, Averager, RoundOutcome
 from swarmtrain.averaging.exchange import PING_FAILURES
 from swarmtrain.averaging.group import Group
@@ -87,7 +101,13 @@ FAULT_METHODS = ("parts", "results", "results", "report", "report", "report", "d
 KINDS = ("reset", "reset-after", "delay", "late-delay", "duplicate", "late", "kill", "freeze")
 SIGNED_METHODS = ("evidence", "evidence", "proofs")  # calls only a signed round makes
 VERIFY = (0.0, 1.0, 3.0)  # parts of other reducers' shards a signed member checks a round
+# The attacks a hostile member can make in a round (``attack``; the others act on a node's records and calls).
+HOSTILE = (
+    "scale", "sign-flip", "nan", "random", "big-weight", "alie", "equivocate", "bad-reducer", "mute-reducer",
+    "withhold", "own-state", "self-certified",
+)  # fmt: skip
 GATHER_S = 1.0
+STEER_BOUND = 3.0  # (g): how far from the others' mean a hostile member may move a part, in their largest norms
 MAX_MEMBERS = 8
 
 
@@ -321,24 +341,27 @@ def identities() -> tuple[tuple[str, RSAPrivateKey], ...]:
     """``MAX_MEMBERS`` identity keys (RSA, 1024 bits) and their peer ids, sorted by peer id, the keys made from
     fixed seeds: a seed's members, and so its leaders and shards, are the same in every process that replays it.
     (A node's key comes from the system's generator; these sign only simulated rounds.)"""
-    keys, e = [], 65537
-    for i in range(MAX_MEMBERS):
-        rng = random.Random(f"swarmtrain sim identity {i}")
-        p = q = _prime(rng, 512, e)
-        while q == p:
-            q = _prime(rng, 512, e)
-        d = pow(e, -1, (p - 1) * (q - 1))
-        public = rsa.RSAPublicNumbers(e, p * q)
-        numbers = rsa.RSAPrivateNumbers(
-            p, q, d, rsa.rsa_crt_dmp1(d, p), rsa.rsa_crt_dmq1(d, q), rsa.rsa_crt_iqmp(p, q), public
-        )
-        der = numbers.private_key().private_bytes(
-            serialization.Encoding.DER, serialization.PrivateFormat.TraditionalOpenSSL, serialization.NoEncryption()
-        )
-        key = RSAPrivateKey.__new__(RSAPrivateKey)
-        key.__setstate__({"_private_key": der})  # how hivemind unpickles a key: it has no other way to load one
-        keys.append((peer_id_of(key.get_public_key().to_bytes()), key))
-    return tuple(sorted(keys, key=lambda k: k[0]))
+    return tuple(sorted((_identity(i) for i in range(MAX_MEMBERS)), key=lambda k: k[0]))
+
+
+@functools.cache
+def _identity(i: int) -> tuple[str, RSAPrivateKey]:
+    """The ``i``-th fixed key and its peer id (``identities``; ``MAX_MEMBERS``: a hostile member's second one)."""
+    rng, e = random.Random(f"swarmtrain sim identity {i}"), 65537
+    p = q = _prime(rng, 512, e)
+    while q == p:
+        q = _prime(rng, 512, e)
+    d = pow(e, -1, (p - 1) * (q - 1))
+    public = rsa.RSAPublicNumbers(e, p * q)
+    numbers = rsa.RSAPrivateNumbers(
+        p, q, d, rsa.rsa_crt_dmp1(d, p), rsa.rsa_crt_dmq1(d, q), rsa.rsa_crt_iqmp(p, q), public
+    )
+    der = numbers.private_key().private_bytes(
+        serialization.Encoding.DER, serialization.PrivateFormat.TraditionalOpenSSL, serialization.NoEncryption()
+    )
+    key = RSAPrivateKey.__new__(RSAPrivateKey)
+    key.__setstate__({"_private_key": der})  # how hivemind unpickles a key: it has no other way to load one
+    return peer_id_of(key.get_public_key().to_bytes()), key
 
 
 def certify(averager: Averager, signer: RoundSigner) -> None:
@@ -386,14 +409,23 @@ def _residual(averager: Averager) -> torch.Tensor:
 
 
 async def simulate(
-    seed: int, rounds: int = 2, cuts: bool = False, joins: bool = False, signed: bool = False
+    seed: int,
+    rounds: int = 2,
+    cuts: bool = False,
+    joins: bool = False,
+    signed: bool = False,
+    hostile: bool = False,
+    aggregate: str = "",
 ) -> list[str]:
     """Run one seed; return its violations (empty: the protocol held). ``cuts`` adds streams cut midway, ``joins``
-    leaders that freeze as they answer the joins, ``signed`` a public swarm's signed and checked rounds."""
+    leaders that freeze as they answer the joins, ``signed`` a public swarm's signed and checked rounds,
+    ``hostile`` one hostile member in them; ``aggregate``: the aggregator's spec in place of the drawn one."""
     rng = random.Random(seed)
     cut_rng = random.Random(seed ^ 0xC07)
     join_rng = random.Random(seed ^ 0x701)
     signed_rng = random.Random(seed ^ 0x516)
+    hostile_rng = random.Random(seed ^ 0xBAD)
+    signed = signed or hostile  # a hostile member meets a public swarm's defences
     torch.default_generator.manual_seed(seed)  # the CPU generator only: seeding every accelerator costs ms
     n = rng.randint(2, 8)
     numel = rng.choice([24, 61, 200])
@@ -402,30 +434,39 @@ async def simulate(
     part_numel = rng.choice([16, 64, 1000])
     # The aggregator comes from its own generator: the schedules every seed replays stay as they were.
     kinds = ("mean", "centered-clip") if codec.startswith(("topk", "dct")) else AGGREGATORS
-    aggregator = parse_aggregator(random.Random(seed ^ 0x5EED).choice(kinds))
+    kinds = tuple(k for k in kinds if k != "mean") if hostile else kinds  # a public swarm's are robust
+    aggregator = parse_aggregator(aggregate or random.Random(seed ^ 0x5EED).choice(kinds))
     verify = signed_rng.choice(VERIFY) if signed else 0.0
     ban_rounds = Config().averaging.ban_rounds if signed else 0  # a node's
     keys = identities() if signed else ()
     signers = [RoundSigner(key) for _, key in keys]
+    bad = hostile_rng.randrange(n) if hostile else -1
+    sybil = RoundSigner(_identity(MAX_MEMBERS)[1]) if hostile else None  # its second key
+    attack = Attack(hostile_rng.choice(HOSTILE), seed=seed, sybil=sybil) if hostile else None
     net = MemoryNetwork()
     faults = Faults(net)
     members = []
     for i in range(n):
         transport = net.transport(keys[i][0] if signed else f"peer{i}")
         faults.wrap(transport)
+        mine = attack if i == bad else None
         averager = Averager(
             transport, torch.zeros(numel), run_id="sim", group_size=16, outer_lr=lr, outer_momentum=momentum,
-            codec_up=get_codec(codec), codec_down=get_codec(codec), part_numel=part_numel,
-            min_deadline=1.0, deadline_factor=4.0, aggregator=aggregator,
-            signer=signers[i] if signed else None, verify=verify, rng=random.Random(seed * MAX_MEMBERS + i),
-            ban_rounds=ban_rounds,
+            codec_up=mine.wrap_codec(get_codec(codec)) if mine else get_codec(codec),
+            codec_down=get_codec(codec), part_numel=part_numel, min_deadline=1.0, deadline_factor=4.0,
+            aggregator=aggregator, signer=signers[i] if signed else None, verify=verify,
+            rng=random.Random(seed * MAX_MEMBERS + i), ban_rounds=ban_rounds, attack=mine,
         )  # fmt: skip
         await averager.start()
         members.append(Member(averager))
     violations: list[str] = []
+    # The hostile member's state and outcomes are its own: the invariants hold the others to them.
+    hostiles = {members[bad].averager.me: attack.kind} if attack else {}
     setup = (
         f"seed {seed}: {n} members, numel {numel} in parts of {part_numel}, {codec}, lr {lr}, momentum {momentum}, "
-        f"{aggregator.spec}" + (f", signed, verify {verify:g}" if signed else "")
+        f"{aggregator.spec}"
+        + (f", signed, verify {verify:g}" if signed else "")
+        + "".join(f", {peer} hostile ({kind})" for peer, kind in hostiles.items())
     )
     for round_ in range(rounds):
         live = [m for m in members if m.alive and not m.out]
@@ -442,6 +483,7 @@ async def simulate(
         deltas = [torch.randn(numel) for _ in live]
         await asyncio.gather(*(m.averager.reconcile() for m in live))  # a member that resynced asks the decision
         before = [(m.averager.outer.theta.clone(), _residual(m.averager).clone()) for m in live]
+        buffers = [m.averager.outer.buf.clone() if m.averager.outer.buf is not None else None for m in live]
         banned = {p for m in live for p in m.averager.matchmaker.bans.active(m.averager.round)}
         contributed = [_contribution(m.averager, d, w) for m, d, w in zip(live, deltas, weights, strict=True)]
         own = [m.averager.deadline_s() for m in live]
@@ -460,15 +502,20 @@ async def simulate(
         failover = LEADER_FAILOVER_S if any(f.startswith("freeze-answer") for f in faults.fired) else 0.0
         observers = {p for p, w in zip(peers, weights, strict=True) if w == 0}
         late = _answered_late(live, faults.fired, observers)
+        # A hostile member in the round is a failure of its own: with another, (c) and (e) are not checked.
+        hostile_live = any(m.averager.me in hostiles for m in live)
+        failed = failures(faults.fired) + late + hostile_live
         found = _check(
-            live, outcomes, weights, contributed, before, own, codec, momentum, set(faults.frozen), aggregator.plain,
-            failover, failures(faults.fired) + late,
+            live, outcomes, weights, contributed, before, own, codec, momentum, set(faults.frozen),
+            aggregator.plain and not hostiles, failover, failed, hostiles,
         )  # fmt: skip
-        found += _check_confirmed(live, outcomes, set(faults.frozen), faults.fired, late, banned)
+        second = late or (hostile_live and failed > 1)
+        found += _check_confirmed(live, outcomes, set(faults.frozen), faults.fired, second, banned, hostiles)
+        found += _check_steered(live, outcomes, weights, contributed, before, buffers, codec, lr, momentum, hostiles)
         violations += [f"{context}: {v}" for v in found]
         for m, o in zip(live, outcomes, strict=True):
-            if isinstance(o, RoundOutcome) and o.outcome == "diverged":
-                m.out = True
+            if isinstance(o, RoundOutcome) and o.outcome == "diverged" and m.averager.me not in hostiles:
+                m.out = True  # (a hostile member comes back each round)
         await asyncio.sleep(0)
     return violations
 
@@ -483,12 +530,17 @@ def _check(
     codec: str,
     momentum: float,
     frozen: set[str],
-    plain_mean: bool = True,
-    failover: float = 0.0,
-    failures: int = 0,
+    plain_mean: bool,
+    failover: float,
+    failures: int,
+    hostiles: dict[str, str],
 ) -> list[str]:
     found = []
-    survivors = [(i, m, o) for i, (m, o) in enumerate(zip(live, outcomes, strict=True)) if m.alive]
+    survivors = [
+        (i, m, o)
+        for i, (m, o) in enumerate(zip(live, outcomes, strict=True))
+        if m.alive and m.averager.me not in hostiles
+    ]
     for _, m, o in survivors:
         if not isinstance(o, RoundOutcome):
             found.append(f"{m.averager.me} raised {o!r}")
@@ -546,7 +598,6 @@ def _check(
                 if codec == "fp32" and not torch.allclose(_residual(m.averager)[s:e], owed, rtol=1e-5, atol=1e-6):
                     found.append(f"(d) {m.averager.me}: shard {j} fell back but its residual lost or doubled it")
             elif codec == "fp32":
-                knows = {k for k, _, _ in confirmed}
                 found += _check_applied(
                     live,
                     m,
@@ -595,19 +646,21 @@ def _check_confirmed(
     outcomes: list[Any],
     frozen: set[str],
     fired: list[str],
-    answered_late: bool,
+    second: bool,
     banned: set[str],
+    hostiles: dict[str, str],
 ) -> list[str]:
     """(e) a member that stayed live and answered, in a group where another one did too, confirms the round: with
     one failure a round, the two agree on their digests and each holds the other's. (A message slower than its
-    timeout, or two failed pings of one link, make the sender count the receiver gone, and a member may hear of its
-    group too late (``_answered_late``): a second failure, so such a round is left out of this check.)"""
-    if _links_counted_gone(fired) or answered_late:
+    timeout, or two failed pings of one link, make the sender count the receiver gone: a second failure, as a member
+    that hears of its group too late (``_answered_late``) or a hostile member beside a failure (``second``), so such
+    a round is left out of this check.) ``hostiles`` are held to neither (e) nor (f)."""
+    if _links_counted_gone(fired) or second:
         return []
     correct = {
         m.averager.me: o
         for m, o in zip(live, outcomes, strict=True)
-        if m.alive and m.averager.me not in frozen and isinstance(o, RoundOutcome)
+        if m.alive and m.averager.me not in frozen | hostiles.keys() and isinstance(o, RoundOutcome)
     }
     found = []
     for me, o in correct.items():
@@ -685,8 +738,81 @@ def _check_applied(
     return found
 
 
+def _check_steered(
+    live: list[Member],
+    outcomes: list[Any],
+    weights: list[float],
+    deltas: list[torch.Tensor],
+    before: list[tuple[torch.Tensor, torch.Tensor]],
+    buffers: list[torch.Tensor | None],
+    codec: str,
+    lr: float,
+    momentum: float,
+    hostiles: dict[str, str],
+) -> list[str]:
+    """(g) no member holds a value that is not finite, and where a hostile member is one of three or more whose
+    contributions a part of an applied shard included (``ledger``), that part of the group's update is no further
+    from the token-weighted mean of the others' contributions than ``STEER_BOUND`` times the largest of them (dense
+    codecs, a round that did not mix; the update is read from the outer step and the momentum ``buffers`` it
+    started from). A bad reducer's own shard is held to it only where a member checked the shard (``verify``): one
+    nobody checked escapes, as the README's Replicated reduction says it can."""
+    found = [
+        f"(g) {m.averager.me} holds a value that is not finite"
+        for m in live
+        if m.averager.me not in hostiles and not bool(torch.isfinite(m.averager.outer.theta).all())
+    ]
+    index = {m.averager.me: k for k, m in enumerate(live)}
+    bad = next((index[p] for p in hostiles if p in index), None)
+    if bad is None or weights[bad] <= 0 or get_codec(codec).sparse:
+        return found
+    hostile = live[bad].averager.me
+    for i, (m, o) in enumerate(zip(live, outcomes, strict=True)):
+        if i == bad or not isinstance(o, RoundOutcome) or o.outcome not in ("applied", "fallback"):
+            continue
+        group = o.group
+        ledger = m.averager.ledgers.get(group.group_id)
+        if group.mixed or hostile not in group.members or ledger is None:
+            continue
+        step = (before[i][0] - m.averager.outer.theta) / lr
+        if momentum:  # Nesterov moved theta_g by lr ((1 + momentum) update + momentum^2 buffer)
+            step = (step - momentum**2 * buffers[i]) / (1 + momentum)
+        order = [index[p] for p in group.members]
+        checked = {  # the shards the others checked
+            j for k, c in enumerate(outcomes) if k != bad and isinstance(c, RoundOutcome) and c.group == group
+            for j, _, _ in c.checked
+        }  # fmt: skip
+        for j, (start, end) in enumerate(group.shard_bounds(step.numel())):
+            escaped = hostiles[hostile] == "bad-reducer" and group.members[j] == hostile and j not in checked
+            if not o.decisions[j] or escaped:
+                continue
+            for ps, mask in zip(range(start, end, m.averager.part_numel), ledger["masks"][j], strict=True):
+                pe = min(ps + m.averager.part_numel, end)
+                bits = int.from_bytes(bytes.fromhex(mask), "little")
+                honest = [k for position, k in enumerate(order) if bits >> position & 1 and k != bad]
+                if len(honest) < 2 or not bits >> group.index(hostile) & 1:
+                    continue
+                parts = [deltas[k][ps:pe] + before[k][1][ps:pe] for k in honest]
+                total = sum(weights[k] for k in honest)
+                mean = sum(p * (weights[k] / total) for p, k in zip(parts, honest, strict=True))
+                largest = max(float(p.norm()) for p in parts)
+                off = float((step[ps:pe] - mean).norm())
+                if off > STEER_BOUND * largest:
+                    found.append(
+                        f"(g) {m.averager.me}: [{ps}:{pe}] of shard {j} is {off:.3g} from the others' mean, "
+                        f"{off / largest:.2f} times the largest of their contributions"
+                    )
+    return found
+
+
 def run_seed(
-    seed: int, rounds: int = 2, quiet: bool = True, cuts: bool = False, joins: bool = False, signed: bool = False
+    seed: int,
+    rounds: int = 2,
+    quiet: bool = True,
+    cuts: bool = False,
+    joins: bool = False,
+    signed: bool = False,
+    hostile: bool = False,
+    aggregate: str = "",
 ) -> list[str]:
     """Run one seed on a fresh virtual-clock loop; the members' logs are silenced unless ``quiet`` is False."""
     loop = VirtualClockLoop()
@@ -695,7 +821,7 @@ def run_seed(
     if quiet:
         logger.setLevel(logging.CRITICAL)
     try:
-        return loop.run_until_complete(simulate(seed, rounds, cuts, joins, signed))
+        return loop.run_until_complete(simulate(seed, rounds, cuts, joins, signed, hostile, aggregate))
     except Deadlock as exc:
         return [f"seed {seed}: {exc}"]
     finally:
@@ -708,8 +834,17 @@ def run_seed(
         logger.setLevel(level)
 
 
-def replay_command(seed: int, rounds: int = 2, cuts: bool = False, joins: bool = False, signed: bool = False) -> str:
+def replay_command(
+    seed: int,
+    rounds: int = 2,
+    cuts: bool = False,
+    joins: bool = False,
+    signed: bool = False,
+    hostile: bool = False,
+    aggregate: str = "",
+) -> str:
     flags = (" --cuts" if cuts else "") + (" --joins" if joins else "") + (" --signed" if signed else "")
+    flags += (" --hostile" if hostile else "") + (f" --aggregator {aggregate}" if aggregate else "")
     return f"python -m swarmtrain.averaging.sim --seed {seed} --rounds {rounds}{flags}"
 
 
@@ -722,12 +857,21 @@ def main() -> None:
     parser.add_argument("--cuts", action="store_true", help="also cut streams of parts or results midway")
     parser.add_argument("--joins", action="store_true", help="also freeze leaders as they answer the joins")
     parser.add_argument("--signed", action="store_true", help="a public swarm's signed, checked rounds")
+    parser.add_argument("--hostile", action="store_true", help="--signed with one hostile member in each seed")
+    parser.add_argument("--aggregator", default="", help="the group's aggregator (a spec) in place of the drawn one")
     args = parser.parse_args()
     logging.basicConfig(level=args.log, format="%(asctime)s %(name)s %(message)s")
     failed = 0
     for seed in range(args.seed, args.seed + args.count):
         violations = run_seed(
-            seed, args.rounds, quiet=args.log == "CRITICAL", cuts=args.cuts, joins=args.joins, signed=args.signed
+            seed,
+            args.rounds,
+            args.log == "CRITICAL",
+            args.cuts,
+            args.joins,
+            args.signed,
+            args.hostile,
+            args.aggregator,
         )
         failed += bool(violations)
         for v in violations:
