@@ -68,10 +68,14 @@ class Split:
         assert shared, {name: sorted(h) for name, h in held.items()}
         for round_ in shared:
             assert len({h[round_] for h in held.values()}) == 1, (round_, {n: h[round_] for n, h in held.items()})
-        # One part took the other's state: no round after the heal averaged in a state of the part that lost. (The
-        # part that won may still mix states of its own: two of its nodes that each went a round alone while the
-        # heal changed whom they saw hold two states of its line, and a gossip round is how they meet again.)
-        lost = self.states(losers) - self.states([name for name in self.rounds if name not in losers])
+        # One part took the other's state: no round after the heal averaged in a state of the part that lost, one
+        # its nodes held before they took the other part's. (The part that won may still mix states of its own: two
+        # of its nodes that each went a round alone while the heal changed whom they saw hold two states of its
+        # line, and a gossip round is how they meet again. So may the losers once on that line: two that caught up
+        # together and sat in on their first round in a group of their own, weight 0, moved by the outer momentum
+        # alone while the winners applied that round's update.)
+        winners = [name for name in self.rounds if name not in losers]
+        lost = self.states(losers, until_taken=True) - self.states(winners)
         names = {r["peer_id"]: name for name, rows in self.rounds.items() for r in rows}
         joined = {name: joined_states(log) for name, log in self.logs.items()}
         mixed = [r for rows in self.rounds.values() for r in rows if r["time"] > self.healed_at and "spread" in r]
@@ -80,10 +84,19 @@ class Split:
             assert None not in states.values() and not lost & set(states.values()), (r["round"], states, lost)
         return shared
 
-    def states(self, names: list[str]) -> set[str]:
+    def states(self, names: list[str], until_taken: bool = False) -> set[str]:
         """The states (the digest's first 8 hex digits, as the log has them) ``names`` held after a round since the
-        cut."""
-        return {r["digest"][:8] for name in names for r in self.rounds[name] if r["time"] > self.cut_at}
+        cut; ``until_taken``: each only until, after the heal, it took another's state (it caught up and sat in on
+        a round, or resynced in one)."""
+        held = set()
+        for name in names:
+            for r in self.rounds[name]:
+                took = r["state"] == "observing" or r["outcome"] == "diverged-resynced"
+                if until_taken and took and r["time"] > self.healed_at:
+                    break
+                if r["time"] > self.cut_at:
+                    held.add(r["digest"][:8])
+        return held
 
     def at_heal(self, name: str) -> int:
         return max(r["round"] for r in self.rounds[name] if r["time"] < self.healed_at)
