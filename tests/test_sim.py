@@ -8,7 +8,7 @@ from concurrent.futures import ProcessPoolExecutor
 
 import pytest
 
-from swarmtrain.averaging.sim import failures, replay_command, run_seed
+from swarmtrain.averaging.sim import Modes, failures, replay_command, run_seed
 
 # Seeds that found a break in the protocol, kept as regression tests (seed, rounds): a member cut off through the
 # report exchange decided alone in a gossip round that did not mix, and confirmed a state nobody shared instead
@@ -79,31 +79,18 @@ FOUND_SIGNED = [(12, 2), (40137, 2)]
 STEERED = 2  # a hostile member that scales its update, in a group whose plain mean it steers
 
 
-def violations(
-    seed: int, rounds: int, cuts: bool = False, joins: bool = False, signed: bool = False, hostile: bool = False
-) -> list[str]:
-    return run_seed(seed, rounds, cuts=cuts, joins=joins, signed=signed, hostile=hostile)
-
-
-def check(
-    seeds: list[int],
-    rounds: int,
-    workers: int = 1,
-    cuts: bool = False,
-    joins: bool = False,
-    signed: bool = False,
-    hostile: bool = False,
-) -> None:
-    modes = (cuts, joins, signed, hostile)
+def check(seeds: list[int], rounds: int, workers: int = 1, **modes: bool) -> None:
+    """Run ``seeds`` (``Modes`` from ``modes``); fail with each broken seed's replay command and violations."""
+    chosen = Modes(**modes)
     if workers > 1:
         n = len(seeds)
         with ProcessPoolExecutor(workers) as pool:
-            runs = pool.map(violations, seeds, [rounds] * n, *([mode] * n for mode in modes), chunksize=50)
+            runs = pool.map(run_seed, seeds, [rounds] * n, [chosen] * n, chunksize=50)
             found = dict(zip(seeds, runs, strict=True))
     else:
-        found = {seed: violations(seed, rounds, *modes) for seed in seeds}
+        found = {seed: run_seed(seed, rounds, chosen) for seed in seeds}
     failures = {seed: v for seed, v in found.items() if v}
-    lines = [f"{replay_command(seed, rounds, *modes)}\n  " + "\n  ".join(v) for seed, v in failures.items()]
+    lines = [f"{replay_command(seed, rounds, chosen)}\n  " + "\n  ".join(v) for seed, v in failures.items()]
     assert not failures, f"{len(failures)} of {len(seeds)} seeds broke an invariant:\n" + "\n".join(lines)
 
 
@@ -153,9 +140,9 @@ def test_100_seeds_with_a_hostile_member_keep_every_round_invariant() -> None:
 def test_the_steering_check_sees_a_hostile_member_move_a_plain_mean_and_not_a_robust_aggregator() -> None:
     """(g) can fail: seed 2's hostile member scales its update by 10; the plain mean, which a private swarm uses,
     follows it (3.7 to 6.1 times the largest honest contribution off the honest mean), centered-clip does not."""
-    steered = [v for v in run_seed(STEERED, 2, hostile=True, aggregate="mean") if "(g)" in v]
+    steered = [v for v in run_seed(STEERED, 2, Modes(hostile=True, aggregate="mean")) if "(g)" in v]
     assert steered and all("hostile (scale)" in v for v in steered)
-    assert run_seed(STEERED, 2, hostile=True, aggregate="centered-clip") == []
+    assert run_seed(STEERED, 2, Modes(hostile=True, aggregate="centered-clip")) == []
 
 
 @pytest.mark.slow

@@ -74,7 +74,7 @@ import random
 import selectors
 import sys
 from collections import Counter
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -408,24 +408,34 @@ def _residual(averager: Averager) -> torch.Tensor:
     return averager.residual if averager.residual is not None else torch.zeros_like(averager.outer.theta)
 
 
-async def simulate(
-    seed: int,
-    rounds: int = 2,
-    cuts: bool = False,
-    joins: bool = False,
-    signed: bool = False,
-    hostile: bool = False,
-    aggregate: str = "",
-) -> list[str]:
-    """Run one seed; return its violations (empty: the protocol held). ``cuts`` adds streams cut midway, ``joins``
-    leaders that freeze as they answer the joins, ``signed`` a public swarm's signed and checked rounds,
-    ``hostile`` one hostile member in them; ``aggregate``: the aggregator's spec in place of the drawn one."""
+@dataclass(frozen=True)
+class Modes:
+    """What a seed runs besides its drawn faults, as the command line's flags say: ``cuts`` streams cut midway,
+    ``joins`` leaders that freeze as they answer the joins, ``signed`` a public swarm's signed and checked rounds,
+    ``hostile`` one hostile member in them, ``aggregate`` the aggregator's spec in place of the drawn one."""
+
+    cuts: bool = False
+    joins: bool = False
+    signed: bool = False
+    hostile: bool = False
+    aggregate: str = ""
+
+    @property
+    def flags(self) -> str:
+        """The command line's flags for these modes (``replay_command``)."""
+        names = [f" --{name}" for name in ("cuts", "joins", "signed", "hostile") if getattr(self, name)]
+        return "".join(names) + (f" --aggregator {self.aggregate}" if self.aggregate else "")
+
+
+async def simulate(seed: int, rounds: int = 2, modes: Modes = Modes()) -> list[str]:
+    """Run one seed; return its violations (empty: the protocol held)."""
     rng = random.Random(seed)
     cut_rng = random.Random(seed ^ 0xC07)
     join_rng = random.Random(seed ^ 0x701)
     signed_rng = random.Random(seed ^ 0x516)
     hostile_rng = random.Random(seed ^ 0xBAD)
-    signed = signed or hostile  # a hostile member meets a public swarm's defences
+    hostile = modes.hostile
+    signed = modes.signed or hostile  # a hostile member meets a public swarm's defences
     torch.default_generator.manual_seed(seed)  # the CPU generator only: seeding every accelerator costs ms
     n = rng.randint(2, 8)
     numel = rng.choice([24, 61, 200])
@@ -435,7 +445,7 @@ async def simulate(
     # The aggregator comes from its own generator: the schedules every seed replays stay as they were.
     kinds = ("mean", "centered-clip") if codec.startswith(("topk", "dct")) else AGGREGATORS
     kinds = tuple(k for k in kinds if k != "mean") if hostile else kinds  # a public swarm's are robust
-    aggregator = parse_aggregator(aggregate or random.Random(seed ^ 0x5EED).choice(kinds))
+    aggregator = parse_aggregator(modes.aggregate or random.Random(seed ^ 0x5EED).choice(kinds))
     verify = signed_rng.choice(VERIFY) if signed else 0.0
     ban_rounds = Config().averaging.ban_rounds if signed else 0  # a node's
     keys = identities() if signed else ()
@@ -487,9 +497,9 @@ async def simulate(
         banned = {p for m in live for p in m.averager.matchmaker.bans.active(m.averager.round)}
         contributed = [_contribution(m.averager, d, w) for m, d, w in zip(live, deltas, weights, strict=True)]
         own = [m.averager.deadline_s() for m in live]
-        plan = draw_faults(rng, peers, 3.0) + (draw_cut(cut_rng, peers) if cuts else [])
+        plan = draw_faults(rng, peers, 3.0) + (draw_cut(cut_rng, peers) if modes.cuts else [])
         plan += draw_signed_fault(signed_rng, peers, 3.0) if signed else []
-        faults.new_round(plan + (draw_join_freeze(join_rng, peers, plan, 3.0) if joins else []))
+        faults.new_round(plan + (draw_join_freeze(join_rng, peers, plan, 3.0) if modes.joins else []))
         runs = [
             m.averager.run_round(d.clone(), w, peers, set(peers), gather_timeout=GATHER_S)
             for m, d, w in zip(live, deltas, weights, strict=True)
@@ -709,15 +719,10 @@ def _check_applied(
     if ledger is None:
         return [f"(d) {m.averager.me} confirmed the round but keeps no decision to serve"]
     theta = m.averager.outer.theta
-    start, end = bounds
-    starts = range(start, end, m.averager.part_numel)
-    masks = ledger["masks"][j]
-    if len(masks) != len(starts):
-        return [f"(d) {m.averager.me}: {len(masks)} masks for the {len(starts)} parts of applied shard {j}"]
-    for ps, mask in zip(starts, masks, strict=True):
-        pe = min(ps + m.averager.part_numel, end)
-        bits = int.from_bytes(bytes.fromhex(mask), "little")
-        included = [k for position, k in enumerate(order) if bits >> position & 1]
+    parts, masks = len(range(*bounds, m.averager.part_numel)), len(ledger["masks"][j])
+    if masks != parts:
+        return [f"(d) {m.averager.me}: {masks} masks for the {parts} parts of applied shard {j}"]
+    for ps, pe, included in _included(ledger, j, bounds, m.averager.part_numel, order):
         owed = {k: deltas[k][ps:pe] + before[k][1][ps:pe] for k in order if weights[k] > 0}
         if not included or any(k not in owed for k in included):
             found.append(f"(d) [{ps}:{pe}] of applied shard {j} includes {included}, contributors {list(owed)}")
@@ -736,6 +741,17 @@ def _check_applied(
             if not torch.allclose(mean, theta_before[ps:pe] - theta[ps:pe], rtol=1e-5, atol=1e-6):
                 found.append(f"(d) {m.averager.me}: [{ps}:{pe}] of shard {j} is not the average of what it included")
     return found
+
+
+def _included(
+    ledger: dict[str, Any], j: int, bounds: tuple[int, int], part_numel: int, order: list[int]
+) -> Iterator[tuple[int, int, list[int]]]:
+    """Each part of applied shard ``j`` (``bounds``) and the members whose contributions it included, as indices
+    into the round's members (``order``: theirs in the group), read from the reducer's masks in a ``ledger``."""
+    start, end = bounds
+    for ps, mask in zip(range(start, end, part_numel), ledger["masks"][j], strict=True):
+        bits = int.from_bytes(bytes.fromhex(mask), "little")
+        yield ps, min(ps + part_numel, end), [k for position, k in enumerate(order) if bits >> position & 1]
 
 
 def _check_steered(
@@ -781,15 +797,13 @@ def _check_steered(
             j for k, c in enumerate(outcomes) if k != bad and isinstance(c, RoundOutcome) and c.group == group
             for j, _, _ in c.checked
         }  # fmt: skip
-        for j, (start, end) in enumerate(group.shard_bounds(step.numel())):
+        for j, bounds in enumerate(group.shard_bounds(step.numel())):
             escaped = hostiles[hostile] == "bad-reducer" and group.members[j] == hostile and j not in checked
             if not o.decisions[j] or escaped:
                 continue
-            for ps, mask in zip(range(start, end, m.averager.part_numel), ledger["masks"][j], strict=True):
-                pe = min(ps + m.averager.part_numel, end)
-                bits = int.from_bytes(bytes.fromhex(mask), "little")
-                honest = [k for position, k in enumerate(order) if bits >> position & 1 and k != bad]
-                if len(honest) < 2 or not bits >> group.index(hostile) & 1:
+            for ps, pe, included in _included(ledger, j, bounds, m.averager.part_numel, order):
+                honest = [k for k in included if k != bad]
+                if len(honest) < 2 or bad not in included:
                     continue
                 parts = [deltas[k][ps:pe] + before[k][1][ps:pe] for k in honest]
                 total = sum(weights[k] for k in honest)
@@ -804,16 +818,7 @@ def _check_steered(
     return found
 
 
-def run_seed(
-    seed: int,
-    rounds: int = 2,
-    quiet: bool = True,
-    cuts: bool = False,
-    joins: bool = False,
-    signed: bool = False,
-    hostile: bool = False,
-    aggregate: str = "",
-) -> list[str]:
+def run_seed(seed: int, rounds: int = 2, modes: Modes = Modes(), quiet: bool = True) -> list[str]:
     """Run one seed on a fresh virtual-clock loop; the members' logs are silenced unless ``quiet`` is False."""
     loop = VirtualClockLoop()
     logger = logging.getLogger("swarmtrain")
@@ -821,7 +826,7 @@ def run_seed(
     if quiet:
         logger.setLevel(logging.CRITICAL)
     try:
-        return loop.run_until_complete(simulate(seed, rounds, cuts, joins, signed, hostile, aggregate))
+        return loop.run_until_complete(simulate(seed, rounds, modes))
     except Deadlock as exc:
         return [f"seed {seed}: {exc}"]
     finally:
@@ -834,18 +839,8 @@ def run_seed(
         logger.setLevel(level)
 
 
-def replay_command(
-    seed: int,
-    rounds: int = 2,
-    cuts: bool = False,
-    joins: bool = False,
-    signed: bool = False,
-    hostile: bool = False,
-    aggregate: str = "",
-) -> str:
-    flags = (" --cuts" if cuts else "") + (" --joins" if joins else "") + (" --signed" if signed else "")
-    flags += (" --hostile" if hostile else "") + (f" --aggregator {aggregate}" if aggregate else "")
-    return f"python -m swarmtrain.averaging.sim --seed {seed} --rounds {rounds}{flags}"
+def replay_command(seed: int, rounds: int = 2, modes: Modes = Modes()) -> str:
+    return f"python -m swarmtrain.averaging.sim --seed {seed} --rounds {rounds}{modes.flags}"
 
 
 def main() -> None:
@@ -861,18 +856,10 @@ def main() -> None:
     parser.add_argument("--aggregator", default="", help="the group's aggregator (a spec) in place of the drawn one")
     args = parser.parse_args()
     logging.basicConfig(level=args.log, format="%(asctime)s %(name)s %(message)s")
+    modes = Modes(args.cuts, args.joins, args.signed, args.hostile, args.aggregator)
     failed = 0
     for seed in range(args.seed, args.seed + args.count):
-        violations = run_seed(
-            seed,
-            args.rounds,
-            args.log == "CRITICAL",
-            args.cuts,
-            args.joins,
-            args.signed,
-            args.hostile,
-            args.aggregator,
-        )
+        violations = run_seed(seed, args.rounds, modes, quiet=args.log == "CRITICAL")
         failed += bool(violations)
         for v in violations:
             print(v)
