@@ -13,18 +13,19 @@ import pytest
 import torch
 
 from swarmtrain.averaging import Averager
-from swarmtrain.averaging.round import Phase
+from swarmtrain.averaging.round import Event, Phase
 from swarmtrain.compression import get_codec
 from swarmtrain.net import MemoryNetwork, PeerUnreachable
 
 NUMEL = 3_000
 
 
-def make_swarm(thetas: list[torch.Tensor], *, part_numel: int = 500, min_deadline: float = 1.0):
+def make_swarm(thetas: list[torch.Tensor], *, part_numel: int = 500, min_deadline: float = 1.0, momentum: float = 0.0):
     net = MemoryNetwork()
     averagers = [
         Averager(
-            net.transport(f"peer{i}"), theta.clone(), run_id="test", group_size=16, outer_lr=1.0, outer_momentum=0.0,
+            net.transport(f"peer{i}"), theta.clone(), run_id="test", group_size=16, outer_lr=1.0,
+            outer_momentum=momentum,
             codec_up=get_codec("fp32"), codec_down=get_codec("fp32"), part_numel=part_numel,
             min_deadline=min_deadline, deadline_factor=4.0,
         )
@@ -33,14 +34,16 @@ def make_swarm(thetas: list[torch.Tensor], *, part_numel: int = 500, min_deadlin
     return net, averagers
 
 
-async def run_round(averagers, deltas, weights):
+async def run_round(averagers, deltas, weights, delays=None):
     peers = [a.me for a in averagers]
+
+    async def one(a, d, w, delay):
+        await asyncio.sleep(delay)
+        return await a.run_round(d, w, peers, set(peers), gather_timeout=2.0)
+
+    delays = delays or [0.0] * len(averagers)
     return await asyncio.gather(
-        *(
-            a.run_round(d, w, peers, set(peers), gather_timeout=2.0)
-            for a, d, w in zip(averagers, deltas, weights, strict=True)
-        ),
-        return_exceptions=True,
+        *(one(*args) for args in zip(averagers, deltas, weights, delays, strict=True)), return_exceptions=True
     )
 
 
@@ -165,6 +168,46 @@ async def test_two_identical_survivors_of_four_confirm_each_other() -> None:
     assert [o.outcome for o in survivors] == ["applied", "applied"]
     assert all(a.lifecycle.phase is not Phase.CATCH_UP for a in averagers[:2])
     torch.testing.assert_close(averagers[0].outer.theta, -sum(deltas) / 4)
+
+
+async def test_two_members_that_caught_up_together_sit_in_on_no_round_of_their_own() -> None:
+    """Found by test_partition_heal under a busy core (343fe00): two nodes caught up to the same state after the
+    others' group of that round had formed. The lower peer id led the two into a group of their own, weight 0
+    each, and the outer momentum alone moved their theta_g off the line they had caught up to. A member that sits
+    in does not lead: both find no group, keep theta_g and catch up again."""
+    net, averagers = make_swarm([torch.zeros(NUMEL)] * 2, momentum=0.9)
+    for a in averagers:
+        await a.start()
+    first = await run_round(averagers, [torch.randn(NUMEL)] * 2, [1.0, 1.0])
+    assert [o.outcome for o in first] == ["applied", "applied"], first
+    caught_up = averagers[0].outer.theta.clone()
+    for a in averagers:
+        a.lifecycle.advance(Event.OFF_SWARM)
+        a.lifecycle.advance(Event.SYNCED)
+    outcomes = await run_round(averagers, [torch.zeros(NUMEL)] * 2, [0.0, 0.0])
+    assert [o.group.size for o in outcomes] == [1, 1], outcomes
+    for a in averagers:
+        assert torch.equal(a.outer.theta, caught_up), f"{a.me} moved off the state it caught up to"
+        assert a.lifecycle.phase is Phase.CATCH_UP
+
+
+@pytest.mark.parametrize(
+    "delays", [(0.0, 0.0, 0.0), (0.0, 0.5, 0.5), (0.5, 0.0, 0.0)], ids=["together", "observer-first", "observer-last"]
+)
+async def test_a_member_sitting_in_with_the_lowest_peer_id_joins_the_group_the_others_form(delays) -> None:
+    """peer0 just caught up and sits in (weight 0); it is everyone's first leader candidate, but does not lead.
+    Whichever asks first, the three meet in one group, and peer0 ends in step with the state the others applied."""
+    net, averagers = make_swarm([torch.zeros(NUMEL)] * 3)
+    for a in averagers:
+        await a.start()
+    averagers[0].lifecycle.advance(Event.SYNCED)
+    deltas = [torch.zeros(NUMEL), torch.randn(NUMEL), torch.randn(NUMEL)]
+    outcomes = await run_round(averagers, deltas, [0.0, 1.0, 3.0], list(delays))
+    assert all(o.group.members == ("peer0", "peer1", "peer2") for o in outcomes), outcomes
+    assert [o.outcome for o in outcomes] == ["applied"] * 3, outcomes
+    for a in averagers:
+        torch.testing.assert_close(a.outer.theta, -(deltas[1] + 3 * deltas[2]) / 4)
+    assert averagers[0].lifecycle.phase is Phase.IN_STEP
 
 
 @pytest.mark.parametrize("codec", ["fp32", "int8"])

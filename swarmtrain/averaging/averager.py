@@ -27,7 +27,7 @@ from swarmtrain.averaging.group import Group
 from swarmtrain.averaging.matchmaking import MAX_WEIGHT, PROBE_AFTER_S, Matchmaker
 from swarmtrain.averaging.outer import OuterOptimizer
 from swarmtrain.averaging.robust import Aggregator
-from swarmtrain.averaging.round import Event, Lifecycle, Round, Stale, Step, Verdict, alone_applies, decide
+from swarmtrain.averaging.round import Event, Lifecycle, Phase, Round, Stale, Step, Verdict, alone_applies, decide
 from swarmtrain.averaging.signing import MAX_KEY_BYTES, MAX_SIG_BYTES, RoundSigner
 from swarmtrain.averaging.statesync import CHUNK_BYTES, SnapshotStore, download_state
 from swarmtrain.compression import BaseCodec, CodecState, all_finite, get_codec
@@ -416,7 +416,8 @@ class Averager:
         if self.certify is not None:
             cert = self.certify(r.number, digest)  # tests only: my state, certified by a second key of mine
         return await self.matchmaker.form_group(
-            r.number, weight, digest, candidates, expected, gather_timeout, own, self.deadline_factor * own, cert
+            r.number, weight, digest, candidates, expected, gather_timeout, own, self.deadline_factor * own, cert,
+            lead=self.lifecycle.phase is not Phase.OBSERVE,
         )  # fmt: skip
 
     def _round_of_one(

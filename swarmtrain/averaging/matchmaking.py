@@ -1,6 +1,7 @@
 """Group formation: members of a gossip group meet at its leader, who fixes the group once for everyone.
 
-The leader of round r in a gossip group is its lowest live peer id. Every other member calls ``join`` on the
+The leader of round r in a gossip group is its lowest live peer id that does not sit in on the round (a member that
+just caught up: it joins, refuses joins and never leads). Every other member calls ``join`` on the
 leader (a long poll); the leader waits until every expected member has joined or its gather timeout passes,
 then answers every waiting joiner with the same member list and weights. A member whose leader is
 unreachable tries the next candidate; a member asked to lead while it follows someone else redirects the
@@ -46,6 +47,7 @@ class Lobby:
     caps: dict[str, float] = field(default_factory=dict)  # the longest budget each joiner accepts
     certs: dict[str, Any] = field(default_factory=dict)  # the certificate each joiner's state came with, if any
     redirect: str | None = None
+    leads: bool = True  # whether I may lead this round's group (``form_group``'s ``lead``)
     redirected: asyncio.Event = field(default_factory=asyncio.Event)
     changed: asyncio.Event = field(default_factory=asyncio.Event)
     result: asyncio.Future[Group] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
@@ -226,7 +228,10 @@ class Matchmaker:
         """Send a joiner on to the leader I follow. When that leader is the joiner itself (it asks me while I ask
         it: each took the other for its leader, as a member that just caught up tries the others first), the
         lower peer id leads: told "ask me again" by the lower one and "lead" by the higher one, both agree. Each
-        telling the other to lead, both led a group of one and diverged."""
+        telling the other to lead, both led a group of one and diverged. A member that sits in on the round (it
+        leads no group, ``form_group``) refuses instead: the joiner asks its next candidate, as the others do."""
+        if not lobby.leads:
+            raise Rejected(f"this peer sits in on round {lobby.round} and leads no group", code="sits-in")
         if lobby.redirect == sender and self.me < sender:
             return {"redirect": self.me}
         return {"redirect": lobby.redirect}
@@ -253,20 +258,25 @@ class Matchmaker:
         deadline_s: float = 0.0,
         cap_s: float = MAX_DEADLINE_S,
         cert: dict[str, Any] | None = None,
+        lead: bool = True,
     ) -> Group:
         """Meet the others of my gossip group for ``round_``; a group of one if nobody can be reached.
 
         ``deadline_s`` is the budget I propose if I lead, ``cap_s`` the longest I accept: a leader gives its group
         the least of its proposal and every member's cap, so that every member runs the same phase deadlines (a
         member that capped the leader's budget on its own would decide while a live member's report is still
-        due, from a different view than the others). ``cert``: another peer's certificate of my state.
+        due, from a different view than the others). ``cert``: another peer's certificate of my state. ``lead``:
+        whether I may lead; a member that just caught up (weight 0, sitting in) does not, even as the first
+        candidate: it joins the group the others form, or none. Led by it, a group of such members (the others'
+        already formed) would move their theta_g by the outer momentum alone, off the line they just caught up to.
         """
         lobby = self._lobby(round_)
+        lobby.leads = lead
         banned = self.bans.active(round_)
         if banned:
             candidates = [c for c in candidates if c not in banned]
             expected = expected - banned.keys()
-        queue, tried, broken = list(candidates), set(), set()
+        queue, tried, broken = list(candidates), set() if lead else {self.me}, set()
         self.misses = []
         self.heard = {}
         # A peer that redirects to a leader I found dead is failing over itself: it pings that leader a few times

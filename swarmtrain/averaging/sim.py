@@ -59,9 +59,16 @@ And then:
     every aggregator (a coordinate-wise median or trim is bounded coordinate by coordinate): over the seeds run, the
     robust aggregators stayed below 1.8 where the plain mean went to 12 (``--aggregator mean``).
 
+With ``--sit-in`` some members of a round (none, some or all, from a generator of their own) have just caught up
+and sit in on it, as a node does: weight 0, and they never lead (``Matchmaker.form_group``). Then:
+
+(h) no group of two or more forms of members that all sit in (led by one of them, the outer momentum alone would
+    move their theta_g off the state they caught up to); and in a round where no fault fired, every live member,
+    sitting in or not, ends in one group with the others, unless all of them sit in.
+
 Replay one seed (prints every violation; ``--log INFO`` shows the members' logs):
 ``python -m swarmtrain.averaging.sim --seed 17 --rounds 2`` (add ``--cuts``, ``--joins``, ``--signed``,
-``--hostile`` as the seed was run).
+``--hostile``, ``--sit-in`` as the seed was run).
 """
 
 from __future__ import annotations
@@ -90,6 +97,7 @@ from swarmtrain.averaging.group import Group
 from swarmtrain.averaging.matchmaking import LEADER_FAILOVER_S
 from swarmtrain.averaging.robust import KINDS as AGGREGATORS
 from swarmtrain.averaging.robust import parse_aggregator
+from swarmtrain.averaging.round import Phase
 from swarmtrain.averaging.signing import RoundSigner
 from swarmtrain.compression import get_codec
 from swarmtrain.config import Config
@@ -412,18 +420,21 @@ def _residual(averager: Averager) -> torch.Tensor:
 class Modes:
     """What a seed runs besides its drawn faults, as the command line's flags say: ``cuts`` streams cut midway,
     ``joins`` leaders that freeze as they answer the joins, ``signed`` a public swarm's signed and checked rounds,
-    ``hostile`` one hostile member in them, ``aggregate`` the aggregator's spec in place of the drawn one."""
+    ``hostile`` one hostile member in them, ``aggregate`` the aggregator's spec in place of the drawn one,
+    ``sit_in`` members that just caught up and sit in on a round."""
 
     cuts: bool = False
     joins: bool = False
     signed: bool = False
     hostile: bool = False
     aggregate: str = ""
+    sit_in: bool = False
 
     @property
     def flags(self) -> str:
         """The command line's flags for these modes (``replay_command``)."""
         names = [f" --{name}" for name in ("cuts", "joins", "signed", "hostile") if getattr(self, name)]
+        names += [" --sit-in"] if self.sit_in else []
         return "".join(names) + (f" --aggregator {self.aggregate}" if self.aggregate else "")
 
 
@@ -434,6 +445,7 @@ async def simulate(seed: int, rounds: int = 2, modes: Modes = Modes()) -> list[s
     join_rng = random.Random(seed ^ 0x701)
     signed_rng = random.Random(seed ^ 0x516)
     hostile_rng = random.Random(seed ^ 0xBAD)
+    sit_rng = random.Random(seed ^ 0x5177)
     hostile = modes.hostile
     signed = modes.signed or hostile  # a hostile member meets a public swarm's defences
     torch.default_generator.manual_seed(seed)  # the CPU generator only: seeding every accelerator costs ms
@@ -490,6 +502,11 @@ async def simulate(seed: int, rounds: int = 2, modes: Modes = Modes()) -> list[s
                     certify(m.averager, signers[other])
         peers = [m.averager.me for m in live]
         weights = [rng.choice([0.0, 1.0, 2.0, 5.0, 100.0]) for _ in live]
+        sitting = set(sit_rng.sample(peers, sit_rng.randint(0, len(peers)))) if modes.sit_in else set()
+        for i, m in enumerate(live):
+            if m.averager.me in sitting:  # just caught up: it sits in on this round (``Phase.OBSERVE``)
+                m.averager.lifecycle.phase = Phase.OBSERVE
+                weights[i] = 0.0
         deltas = [torch.randn(numel) for _ in live]
         await asyncio.gather(*(m.averager.reconcile() for m in live))  # a member that resynced asks the decision
         before = [(m.averager.outer.theta.clone(), _residual(m.averager).clone()) for m in live]
@@ -522,6 +539,7 @@ async def simulate(seed: int, rounds: int = 2, modes: Modes = Modes()) -> list[s
         second = late or (hostile_live and failed > 1)
         found += _check_confirmed(live, outcomes, set(faults.frozen), faults.fired, second, banned, hostiles)
         found += _check_steered(live, outcomes, weights, contributed, before, buffers, codec, lr, momentum, hostiles)
+        found += _check_sat_in(live, outcomes, sitting, banned, quiet=not faults.fired) if sitting else []
         violations += [f"{context}: {v}" for v in found]
         for m, o in zip(live, outcomes, strict=True):
             if isinstance(o, RoundOutcome) and o.outcome == "diverged" and m.averager.me not in hostiles:
@@ -695,6 +713,22 @@ def _check_confirmed(
     return found
 
 
+def _check_sat_in(
+    live: list[Member], outcomes: list[Any], sitting: set[str], banned: set[str], quiet: bool
+) -> list[str]:
+    """(h) no group of two or more whose members all sit in; in a ``quiet`` round (no fault fired), each live
+    member ends in one group with the others (but those another member banned), unless every one of them sits in."""
+    ended = {m.averager.me: o.group for m, o in zip(live, outcomes, strict=True) if isinstance(o, RoundOutcome)}
+    found = [f"(h) {me} and the others sitting in formed a group {g.members}" for me, g in ended.items()
+             if g.size > 1 and set(g.members) <= sitting]  # fmt: skip
+    peers = {me for me in ended if me not in banned}
+    if quiet and not peers <= sitting and any(set(ended[me].members) != peers for me in peers):
+        found.append(
+            f"(h) the live members {sorted(peers)} ended in groups {sorted({g.members for g in ended.values()})}"
+        )
+    return found
+
+
 def _check_applied(
     live: list[Member],
     m: Member,
@@ -854,9 +888,10 @@ def main() -> None:
     parser.add_argument("--signed", action="store_true", help="a public swarm's signed, checked rounds")
     parser.add_argument("--hostile", action="store_true", help="--signed with one hostile member in each seed")
     parser.add_argument("--aggregator", default="", help="the group's aggregator (a spec) in place of the drawn one")
+    parser.add_argument("--sit-in", action="store_true", help="members that just caught up sit in on rounds")
     args = parser.parse_args()
     logging.basicConfig(level=args.log, format="%(asctime)s %(name)s %(message)s")
-    modes = Modes(args.cuts, args.joins, args.signed, args.hostile, args.aggregator)
+    modes = Modes(args.cuts, args.joins, args.signed, args.hostile, args.aggregator, args.sit_in)
     failed = 0
     for seed in range(args.seed, args.seed + args.count):
         violations = run_seed(seed, args.rounds, modes, quiet=args.log == "CRITICAL")

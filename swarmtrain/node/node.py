@@ -633,12 +633,10 @@ class Node:
                 # that everyone left: meet last round's group; the ones that are gone are found by ping.
                 live = [p for p in self._last_group if p not in membership.left] or live
             candidates = leader_candidates(live, averager.me, averager.group_size, node.run_id, averager.round)
-            if observing:
-                # Just caught up: join the group the others form rather than lead one they may have given up on.
-                candidates = [*(c for c in candidates if c != averager.me), averager.me]
             # Leaving, I cut my steps short, but my group did not: as its leader I wait as if I had not.
             gather = self._gather_timeout(membership, set(candidates), max(last_inner, whole_inner))
-            averager.matchmaker.join_timeout = max(30.0, 3 * last_inner)  # a slow leader, not a dead one
+            # A slow leader, not a dead one; sitting in (I never lead then), the rest of the others' inner phase.
+            averager.matchmaker.join_timeout = max(30.0, 3 * last_inner, gather)
             try:
                 await averager.reconcile()  # after a round I could not confirm: my residual to the group's decision
                 weight = float(tokens) if avg.weighting == "tokens" else EQUAL_WEIGHT * (tokens > 0)
@@ -752,7 +750,8 @@ class Node:
         inner phases (another H,
         a slower machine), up to the end of theirs, but never more than twice my own: a slower peer does not
         hold the group, its update joins a later round (the staleness rule). A node that has not trained yet
-        (a joiner observing its first round) waits for the others' whole inner phase.
+        (a joiner sitting in on its first round, which joins and does not lead) waits on its leader as long: the
+        others' whole inner phase.
         """
         floor = max(self.config.averaging.min_gather_s, last_inner)
         peers = [r.inner_s for p, r in membership.view.items() if p in expected and p != membership.record.peer_id]
