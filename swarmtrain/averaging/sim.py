@@ -532,14 +532,14 @@ async def simulate(seed: int, rounds: int = 2, modes: Modes = Modes()) -> list[s
         # A hostile member in the round is a failure of its own: with another, (c) and (e) are not checked.
         hostile_live = any(m.averager.me in hostiles for m in live)
         failed = failures(faults.fired) + late + hostile_live
-        found = _check(
-            live, outcomes, weights, contributed, before, own, codec, momentum, set(faults.frozen),
-            aggregator.plain and not hostiles, failover, failed, hostiles,
+        played = Played(
+            live, outcomes, weights, contributed, before, buffers, own, list(faults.fired), set(faults.frozen),
+            banned, hostiles, sitting, codec, lr, momentum,
         )  # fmt: skip
-        second = late or (hostile_live and failed > 1)
-        found += _check_confirmed(live, outcomes, set(faults.frozen), faults.fired, second, banned, hostiles)
-        found += _check_steered(live, outcomes, weights, contributed, before, buffers, codec, lr, momentum, hostiles)
-        found += _check_sat_in(live, outcomes, sitting, banned, quiet=not faults.fired) if sitting else []
+        found = _check(played, aggregator.plain and not hostiles, failover, failed)
+        found += _check_confirmed(played, second=late or (hostile_live and failed > 1))
+        found += _check_steered(played)
+        found += _check_sat_in(played) if sitting else []
         violations += [f"{context}: {v}" for v in found]
         for m, o in zip(live, outcomes, strict=True):
             if isinstance(o, RoundOutcome) and o.outcome == "diverged" and m.averager.me not in hostiles:
@@ -548,26 +548,36 @@ async def simulate(seed: int, rounds: int = 2, modes: Modes = Modes()) -> list[s
     return violations
 
 
-def _check(
-    live: list[Member],
-    outcomes: list[Any],
-    weights: list[float],
-    deltas: list[torch.Tensor],
-    before: list[tuple[torch.Tensor, torch.Tensor]],
-    own: list[float],
-    codec: str,
-    momentum: float,
-    frozen: set[str],
-    plain_mean: bool,
-    failover: float,
-    failures: int,
-    hostiles: dict[str, str],
-) -> list[str]:
+@dataclass
+class Played:
+    """One round as the checks read it: its live members, what each brought to it (weight, contribution, theta_g
+    and residual before, momentum buffer, own budget) and ended with (an outcome, or what it raised), in the same
+    order; the faults that fired, who was frozen, banned before it, hostile or sitting in; and the seed's codec and
+    outer step."""
+
+    live: list[Member]
+    outcomes: list[Any]
+    weights: list[float]
+    deltas: list[torch.Tensor]
+    before: list[tuple[torch.Tensor, torch.Tensor]]
+    buffers: list[torch.Tensor | None]
+    own: list[float]
+    fired: list[str]
+    frozen: set[str]
+    banned: set[str]
+    hostiles: dict[str, str]
+    sitting: set[str]
+    codec: str
+    lr: float
+    momentum: float
+
+
+def _check(r: Played, plain_mean: bool, failover: float, failed: int) -> list[str]:
     found = []
     survivors = [
         (i, m, o)
-        for i, (m, o) in enumerate(zip(live, outcomes, strict=True))
-        if m.alive and m.averager.me not in hostiles
+        for i, (m, o) in enumerate(zip(r.live, r.outcomes, strict=True))
+        if m.alive and m.averager.me not in r.hostiles
     ]
     for _, m, o in survivors:
         if not isinstance(o, RoundOutcome):
@@ -575,7 +585,7 @@ def _check(
     survivors = [(i, m, o) for i, m, o in survivors if isinstance(o, RoundOutcome)]
     # (b) every survivor leaves within its bound
     for i, m, o in survivors:
-        budget = min(o.group.deadline_s or own[i], m.averager.deadline_factor * own[i])
+        budget = min(o.group.deadline_s or r.own[i], m.averager.deadline_factor * r.own[i])
         bound = GATHER_S + failover + budget + ((2 if o.group.mixed else 1) + DIGEST_SHARE + 1) * budget + 0.5
         if o.duration_s > bound:
             found.append(f"(b) {m.averager.me} took {o.duration_s:.2f} s, bound {bound:.2f} s ({o.phases})")
@@ -591,12 +601,12 @@ def _check(
         for _, m, o in survivors
         if o.group.size > 1
         and (
-            (m.averager.me not in frozen and not o.alone)
+            (m.averager.me not in r.frozen and not o.alone)
             or (o.outcome in ("applied", "fallback") and held[o.digest] == 1)
         )
     ]
     decisions = {(o.group.group_id, o.decisions, o.mixed) for _, o in deciders}
-    if failures <= 1 and len({d[0] for d in decisions}) < len(decisions):
+    if failed <= 1 and len({d[0] for d in decisions}) < len(decisions):
         seen = [(m.averager.me, o.decisions, o.mixed) for m, o in deciders]
         found.append(f"(c) members decided differently (member, slots applied, mixed): {seen}")
     # (a) identical bytes where the round leaves members identical (not a gossip round that did not mix)
@@ -610,36 +620,23 @@ def _check(
             found.append(f"(a) group {group_id} holds {len(digests)} different states after the round")
     # (d) the applied bytes, dense codecs: theta_g where the round fell back (plain rounds, no momentum); with fp32
     # the residuals, part by part (any round, aggregator or momentum), and the average (plain mean as well)
-    dense = not get_codec(codec).sparse
+    dense = not get_codec(r.codec).sparse
     knows = {k for k, _, _ in confirmed}
     for i, m, o in confirmed:
         if not dense:
             continue
-        plain = not o.group.mixed and not momentum
+        plain = not o.group.mixed and not r.momentum
         theta = m.averager.outer.theta
-        order = [next(j for j, mm in enumerate(live) if mm.averager.me == p) for p in o.group.members]
+        order = [next(j for j, mm in enumerate(r.live) if mm.averager.me == p) for p in o.group.members]
         for j, (s, e) in enumerate(o.group.shard_bounds(theta.numel())):
             if not o.decisions[j]:
-                if plain and not torch.equal(theta[s:e], before[i][0][s:e]):
+                if plain and not torch.equal(theta[s:e], r.before[i][0][s:e]):
                     found.append(f"(d) {m.averager.me}: shard {j} fell back but theta_g changed there")
-                owed = before[i][1][s:e] + (deltas[i][s:e] if weights[i] > 0 else 0)
-                if codec == "fp32" and not torch.allclose(_residual(m.averager)[s:e], owed, rtol=1e-5, atol=1e-6):
+                owed = r.before[i][1][s:e] + (r.deltas[i][s:e] if r.weights[i] > 0 else 0)
+                if r.codec == "fp32" and not torch.allclose(_residual(m.averager)[s:e], owed, rtol=1e-5, atol=1e-6):
                     found.append(f"(d) {m.averager.me}: shard {j} fell back but its residual lost or doubled it")
-            elif codec == "fp32":
-                found += _check_applied(
-                    live,
-                    m,
-                    o.group,
-                    j,
-                    (s, e),
-                    order,
-                    weights,
-                    deltas,
-                    before,
-                    before[i][0],
-                    knows,
-                    plain and plain_mean,
-                )
+            elif r.codec == "fp32":
+                found += _check_applied(r, m, o.group, j, (s, e), order, r.before[i][0], knows, plain and plain_mean)
     return found
 
 
@@ -669,26 +666,18 @@ def _answered_late(live: list[Member], fired: list[str], observers: set[str]) ->
     return bool(held) and all(m.averager.me in observers or m.averager.me in held[0] for m in live)
 
 
-def _check_confirmed(
-    live: list[Member],
-    outcomes: list[Any],
-    frozen: set[str],
-    fired: list[str],
-    second: bool,
-    banned: set[str],
-    hostiles: dict[str, str],
-) -> list[str]:
+def _check_confirmed(r: Played, second: bool) -> list[str]:
     """(e) a member that stayed live and answered, in a group where another one did too, confirms the round: with
     one failure a round, the two agree on their digests and each holds the other's. (A message slower than its
     timeout, or two failed pings of one link, make the sender count the receiver gone: a second failure, as a member
     that hears of its group too late (``_answered_late``) or a hostile member beside a failure (``second``), so such
     a round is left out of this check.) ``hostiles`` are held to neither (e) nor (f)."""
-    if _links_counted_gone(fired) or second:
+    if _links_counted_gone(r.fired) or second:
         return []
     correct = {
         m.averager.me: o
-        for m, o in zip(live, outcomes, strict=True)
-        if m.alive and m.averager.me not in frozen | hostiles.keys() and isinstance(o, RoundOutcome)
+        for m, o in zip(r.live, r.outcomes, strict=True)
+        if m.alive and m.averager.me not in r.frozen | r.hostiles.keys() and isinstance(o, RoundOutcome)
     }
     found = []
     for me, o in correct.items():
@@ -706,23 +695,21 @@ def _check_confirmed(
             found.append(f"(e) {me} counted itself {o.outcome} though {others} of its group stayed live")
     # A member another one banned (signed rounds: an honest member that lost two shards' results to faults
     # withheld them, as a hostile one would) is refused by design and forms a group of its own.
-    joined = {me: o for me, o in correct.items() if me not in banned}
-    if any(f.startswith("freeze-answer") for f in fired) and len({o.group for o in joined.values()}) > 1:
+    joined = {me: o for me, o in correct.items() if me not in r.banned}
+    if any(f.startswith("freeze-answer") for f in r.fired) and len({o.group for o in joined.values()}) > 1:
         groups = sorted({o.group.members for o in joined.values()})
         found.append(f"(f) the members the frozen leader did and did not answer hold different groups: {groups}")
     return found
 
 
-def _check_sat_in(
-    live: list[Member], outcomes: list[Any], sitting: set[str], banned: set[str], quiet: bool
-) -> list[str]:
-    """(h) no group of two or more whose members all sit in; in a ``quiet`` round (no fault fired), each live
+def _check_sat_in(r: Played) -> list[str]:
+    """(h) no group of two or more whose members all sit in; in a round where no fault fired, each live
     member ends in one group with the others (but those another member banned), unless every one of them sits in."""
-    ended = {m.averager.me: o.group for m, o in zip(live, outcomes, strict=True) if isinstance(o, RoundOutcome)}
+    ended = {m.averager.me: o.group for m, o in zip(r.live, r.outcomes, strict=True) if isinstance(o, RoundOutcome)}
     found = [f"(h) {me} and the others sitting in formed a group {g.members}" for me, g in ended.items()
-             if g.size > 1 and set(g.members) <= sitting]  # fmt: skip
-    peers = {me for me in ended if me not in banned}
-    if quiet and not peers <= sitting and any(set(ended[me].members) != peers for me in peers):
+             if g.size > 1 and set(g.members) <= r.sitting]  # fmt: skip
+    peers = {me for me in ended if me not in r.banned}
+    if not r.fired and not peers <= r.sitting and any(set(ended[me].members) != peers for me in peers):
         found.append(
             f"(h) the live members {sorted(peers)} ended in groups {sorted({g.members for g in ended.values()})}"
         )
@@ -730,15 +717,12 @@ def _check_sat_in(
 
 
 def _check_applied(
-    live: list[Member],
+    r: Played,
     m: Member,
     group: Group,
     j: int,
     bounds: tuple[int, int],
     order: list[int],
-    weights: list[float],
-    deltas: list[torch.Tensor],
-    before: list[tuple[torch.Tensor, torch.Tensor]],
     theta_before: torch.Tensor,
     knows: set[int],
     average: bool,
@@ -757,7 +741,7 @@ def _check_applied(
     if masks != parts:
         return [f"(d) {m.averager.me}: {masks} masks for the {parts} parts of applied shard {j}"]
     for ps, pe, included in _included(ledger, j, bounds, m.averager.part_numel, order):
-        owed = {k: deltas[k][ps:pe] + before[k][1][ps:pe] for k in order if weights[k] > 0}
+        owed = {k: r.deltas[k][ps:pe] + r.before[k][1][ps:pe] for k in order if r.weights[k] > 0}
         if not included or any(k not in owed for k in included):
             found.append(f"(d) [{ps}:{pe}] of applied shard {j} includes {included}, contributors {list(owed)}")
             continue
@@ -765,13 +749,13 @@ def _check_applied(
             if k not in knows:  # died, or did not confirm the round: ``reconcile`` sets its residual right later
                 continue
             expected = torch.zeros_like(contribution) if k in included else contribution
-            if not torch.allclose(_residual(live[k].averager)[ps:pe], expected, rtol=1e-5, atol=1e-6):
+            if not torch.allclose(_residual(r.live[k].averager)[ps:pe], expected, rtol=1e-5, atol=1e-6):
                 state = "included" if k in included else "left out"
-                found.append(f"(d) {live[k].averager.me}: {state} at [{ps}:{pe}] of shard {j}, its residual lost or "
+                found.append(f"(d) {r.live[k].averager.me}: {state} at [{ps}:{pe}] of shard {j}, its residual lost or "
                              "doubled it")  # fmt: skip
         if average:
-            total = sum(weights[k] for k in included)
-            mean = sum(owed[k] * (weights[k] / total) for k in included)
+            total = sum(r.weights[k] for k in included)
+            mean = sum(owed[k] * (r.weights[k] / total) for k in included)
             if not torch.allclose(mean, theta_before[ps:pe] - theta[ps:pe], rtol=1e-5, atol=1e-6):
                 found.append(f"(d) {m.averager.me}: [{ps}:{pe}] of shard {j} is not the average of what it included")
     return found
@@ -788,18 +772,7 @@ def _included(
         yield ps, min(ps + part_numel, end), [k for position, k in enumerate(order) if bits >> position & 1]
 
 
-def _check_steered(
-    live: list[Member],
-    outcomes: list[Any],
-    weights: list[float],
-    deltas: list[torch.Tensor],
-    before: list[tuple[torch.Tensor, torch.Tensor]],
-    buffers: list[torch.Tensor | None],
-    codec: str,
-    lr: float,
-    momentum: float,
-    hostiles: dict[str, str],
-) -> list[str]:
+def _check_steered(r: Played) -> list[str]:
     """(g) no member holds a value that is not finite, and where a hostile member is one of three or more whose
     contributions a part of an applied shard included (``ledger``), that part of the group's update is no further
     from the token-weighted mean of the others' contributions than ``STEER_BOUND`` times the largest of them (dense
@@ -808,40 +781,40 @@ def _check_steered(
     nobody checked escapes, as the README's Replicated reduction says it can."""
     found = [
         f"(g) {m.averager.me} holds a value that is not finite"
-        for m in live
-        if m.averager.me not in hostiles and not bool(torch.isfinite(m.averager.outer.theta).all())
+        for m in r.live
+        if m.averager.me not in r.hostiles and not bool(torch.isfinite(m.averager.outer.theta).all())
     ]
-    index = {m.averager.me: k for k, m in enumerate(live)}
-    bad = next((index[p] for p in hostiles if p in index), None)
-    if bad is None or weights[bad] <= 0 or get_codec(codec).sparse:
+    index = {m.averager.me: k for k, m in enumerate(r.live)}
+    bad = next((index[p] for p in r.hostiles if p in index), None)
+    if bad is None or r.weights[bad] <= 0 or get_codec(r.codec).sparse:
         return found
-    hostile = live[bad].averager.me
-    for i, (m, o) in enumerate(zip(live, outcomes, strict=True)):
+    hostile = r.live[bad].averager.me
+    for i, (m, o) in enumerate(zip(r.live, r.outcomes, strict=True)):
         if i == bad or not isinstance(o, RoundOutcome) or o.outcome not in ("applied", "fallback"):
             continue
         group = o.group
         ledger = m.averager.ledgers.get(group.group_id)
         if group.mixed or hostile not in group.members or ledger is None:
             continue
-        step = (before[i][0] - m.averager.outer.theta) / lr
-        if momentum:  # Nesterov moved theta_g by lr ((1 + momentum) update + momentum^2 buffer)
-            step = (step - momentum**2 * buffers[i]) / (1 + momentum)
+        step = (r.before[i][0] - m.averager.outer.theta) / r.lr
+        if r.momentum:  # Nesterov moved theta_g by lr ((1 + momentum) update + momentum^2 buffer)
+            step = (step - r.momentum**2 * r.buffers[i]) / (1 + r.momentum)
         order = [index[p] for p in group.members]
         checked = {  # the shards the others checked
-            j for k, c in enumerate(outcomes) if k != bad and isinstance(c, RoundOutcome) and c.group == group
+            j for k, c in enumerate(r.outcomes) if k != bad and isinstance(c, RoundOutcome) and c.group == group
             for j, _, _ in c.checked
         }  # fmt: skip
         for j, bounds in enumerate(group.shard_bounds(step.numel())):
-            escaped = hostiles[hostile] == "bad-reducer" and group.members[j] == hostile and j not in checked
+            escaped = r.hostiles[hostile] == "bad-reducer" and group.members[j] == hostile and j not in checked
             if not o.decisions[j] or escaped:
                 continue
             for ps, pe, included in _included(ledger, j, bounds, m.averager.part_numel, order):
                 honest = [k for k in included if k != bad]
                 if len(honest) < 2 or bad not in included:
                     continue
-                parts = [deltas[k][ps:pe] + before[k][1][ps:pe] for k in honest]
-                total = sum(weights[k] for k in honest)
-                mean = sum(p * (weights[k] / total) for p, k in zip(parts, honest, strict=True))
+                parts = [r.deltas[k][ps:pe] + r.before[k][1][ps:pe] for k in honest]
+                total = sum(r.weights[k] for k in honest)
+                mean = sum(p * (r.weights[k] / total) for p, k in zip(parts, honest, strict=True))
                 largest = max(float(p.norm()) for p in parts)
                 off = float((step[ps:pe] - mean).norm())
                 if off > STEER_BOUND * largest:
