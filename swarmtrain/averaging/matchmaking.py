@@ -226,8 +226,8 @@ class Matchmaker:
 
     def _redirect(self, lobby: Lobby, sender: str) -> dict[str, Any]:
         """Send a joiner on to the leader I follow. When that leader is the joiner itself (it asks me while I ask
-        it: each took the other for its leader, as a member that just caught up tries the others first), the
-        lower peer id leads: told "ask me again" by the lower one and "lead" by the higher one, both agree. Each
+        it: each took the other for its leader, as two whose views of the swarm differ can), the lower peer id
+        leads: told "ask me again" by the lower one and "lead" by the higher one, both agree. Each
         telling the other to lead, both led a group of one and diverged. A member that sits in on the round (it
         leads no group, ``form_group``) refuses instead: the joiner asks its next candidate, as the others do."""
         if not lobby.leads:
