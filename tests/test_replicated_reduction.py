@@ -139,6 +139,37 @@ async def test_a_check_whose_stream_breaks_asks_again_and_withholds_no_honest_sh
     assert all(all(o.decisions) for o in outcomes), [o.decisions for o in outcomes]
 
 
+async def test_evidence_shown_again_after_a_stream_broke_past_the_answer_is_counted_as_resent() -> None:
+    """The same four nodes showed a round's ``bytes_per_param`` 2 bytes over its bound: a checker's stream broke
+    after the reducer had answered, and the reducer showed its four signed contributions again. Now the first
+    check of every member breaks after its answer: each reducer counts what it showed again, byte for byte, as
+    ``resent`` (``bytes_resent`` in metrics.jsonl), and a first showing is not counted."""
+    averagers = make_group("mean", "scale", verify=1.0, members=4, hostile=0)
+    shown_again = {a.me: 0 for a in averagers}
+    broke: set[str] = set()  # the checkers whose first check broke
+    for a in averagers:
+        original = a.transport.call_stream
+
+        async def break_after_answer(
+            peer, method, header, frames, *, count, timeout, max_reply=None, _me=a.me, _o=original
+        ):
+            response = await _o(peer, method, header, frames, count=count, timeout=timeout, max_reply=max_reply)
+            if method == "evidence" and _me not in broke:
+                broke.add(_me)
+                shown_again[peer] += len(response[1])
+                raise PeerUnreachable(f"evidence to {peer}: IncompleteReadError (stream reset after the answer)")
+            return response
+
+        a.transport.call_stream = break_after_answer
+        await a.start()
+    deltas = [torch.randn(NUMEL, generator=torch.Generator().manual_seed(i)) for i in range(len(averagers))]
+    outcomes = await play_round(averagers, deltas, [1.0] * len(averagers))
+    assert broke == {a.me for a in averagers}
+    assert {c[2] for o in outcomes for c in o.checked} == {"ok"}, [o.checked for o in outcomes]
+    assert sum(shown_again.values()) > 0
+    assert {a.me: o.resent for a, o in zip(averagers, outcomes, strict=True)} == shown_again
+
+
 async def test_a_reducer_that_never_shows_what_it_averaged_is_banned_and_the_group_moves_on_without_it() -> None:
     """A mute reducer (an honest update and reduction, but every check of its shard held to the round's deadline and
     refused) withholds its shard from the whole group in every round a member checks it: unbanned, it would hold its

@@ -64,8 +64,11 @@ def test_four_nodes_agree_bit_for_bit_after_every_round(swarm: Swarm, codec: str
     # and each contribution served. Top-k has no reducer: nothing is checked.
     numel = rows[0]["bytes_sent"] / rows[0]["bytes_per_param"]
     ideal = 2 * 0.75 * 2 + 3 * 2 if codec == "fp16" else 3 * get_codec(codec).payload_size(int(numel)) / numel
+    # Under load a checker's stream can break after its reducer answered, and the reducer shows its evidence again
+    # (2 bytes per parameter more, seen once with one core busy): counted apart as ``bytes_resent``.
     small = 8_000 + 2 * 3 * 800 + (3 + 3 * 4) * 800 * (codec == "fp16")
-    assert all(ideal <= r["bytes_per_param"] < ideal * 1.1 + small / numel for r in rows), rows
+    first = [(r["bytes_sent"] - r["bytes_resent"]) / numel for r in rows]
+    assert all(ideal <= sent < ideal * 1.1 + small / numel for sent in first), rows
     checked = [[(c["shard"], c["outcome"]) for c in r.get("checked", [])] for r in rows]
     checks = 3 if codec == "fp16" else 0  # three distinct other shards, each found right
     assert all(len({j for j, _ in c}) == len(c) == checks and {o for _, o in c} <= {"ok"} for c in checked), checked

@@ -159,6 +159,7 @@ class AllReduce(GroupExchange):
         self.verify = verify if signer is not None else 0.0
         self.rng = rng or random.SystemRandom()
         self.kept: dict[tuple[int, int], list[bytes | memoryview]] = {}
+        self.shown: set[tuple[str, int]] = set()  # (checker, part) I showed evidence to: a repeat is a resend
         self.suspects = suspects  # reducers whose shard was withheld lately (``Bans.suspects``): checked every round
         self.released = False  # my round ended and I let go of ``kept``
         self.alter = alter  # tests only (attack.kind = bad-reducer): changes my shard's average before I send it
@@ -500,7 +501,11 @@ class AllReduce(GroupExchange):
         if header.get("shard") != self.index or not isinstance(part, int) or part not in box.masks:
             raise Rejected(f"no part {part!r} of shard {header.get('shard')!r} reduced here")
         rows = [[i, *self.kept[i, part]] for i in self._included(box.masks[part]) if (i, part) in self.kept]
-        return msgpack.packb(rows, use_bin_type=True)
+        evidence = msgpack.packb(rows, use_bin_type=True)
+        if (sender, part) in self.shown:  # the checker's stream broke, maybe after my answer: it asks again
+            self.resent += len(evidence)
+        self.shown.add((sender, part))
+        return evidence
 
     async def _verify(self) -> list[int]:
         """Replicated reduction of random parts, BTARD-style. I check ``verify`` parts a round on average (2.5: two,

@@ -78,6 +78,7 @@ class RoundOutcome:
     mixed: bool = False  # a gossip round: whether the outer state was mixed (the agreed decision)
     alone: bool = False  # decided without anyone else's report (cut off): the decisions are its own, not agreed
     checked: tuple[tuple[int, int, str], ...] = ()  # the parts of other reducers' shards I checked (``verify``)
+    resent: int = 0  # bytes sent again to members that asked again after a broken stream (``GroupExchange.resent``)
 
 
 class Averager:
@@ -394,7 +395,7 @@ class Averager:
         return RoundOutcome(
             r.number, group, outcome, digest, sum(result.applied) / group.size, result.excluded,
             _now() - r.started, spread, phases, decisions=tuple(result.applied),
-            mixed=mixes, alone=verdict.alone, checked=tuple(update.checked),
+            mixed=mixes, alone=verdict.alone, checked=tuple(update.checked), resent=update.resent,
         )  # fmt: skip
 
     def _contribution(self, delta: torch.Tensor, weight: float, round_: int) -> tuple[torch.Tensor, float]:

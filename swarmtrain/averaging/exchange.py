@@ -231,6 +231,9 @@ class GroupExchange(ABC):
         self.values = {kind: Values.of(group.members) for kind in ("report", "digest")}
         self.equivocators: dict[str, str] = {}
         self.checked: list[tuple[int, int, str]] = []  # replicated reduction: (shard, part, ok | wrong | unanswered)
+        # Bytes I sent again because a member asked again after its stream broke (a reducer's evidence): the round
+        # cost them, but not as its protocol does (``bytes_resent`` in metrics.jsonl).
+        self.resent = 0
         self.view: dict[str, list[str | None]] = {}  # the merged reports the decision is made from
         self.applied = [False] * group.size  # the decision, per slot, once ``_agree`` made it
         self.on_part_sent = on_part_sent

@@ -791,6 +791,7 @@ class Node:
             "bytes_sent": transport.counter.sent - sent,
             "bytes_received": transport.counter.received - received,
             "bytes_per_param": round((transport.counter.sent - sent) / self.numel, 6),
+            "bytes_resent": outcome.resent,  # of bytes_sent: sent again to a member whose stream broke
             "duration_s": round(outcome.duration_s, 4),
             "codec": self.config.averaging.codec,
             "outcome": outcome.outcome,
