@@ -433,8 +433,8 @@ class Modes:
     @property
     def flags(self) -> str:
         """The command line's flags for these modes (``replay_command``)."""
-        names = [f" --{name}" for name in ("cuts", "joins", "signed", "hostile") if getattr(self, name)]
-        names += [" --sit-in"] if self.sit_in else []
+        names = [f" --{name.replace('_', '-')}" for name in ("cuts", "joins", "signed", "hostile", "sit_in")
+                 if getattr(self, name)]  # fmt: skip
         return "".join(names) + (f" --aggregator {self.aggregate}" if self.aggregate else "")
 
 
