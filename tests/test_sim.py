@@ -76,7 +76,9 @@ ANSWERED_LATE = (600543, 3)
 # leader's gather deadline stayed 4e-15 s ahead of a virtual clock that a timer fired early never moved (a timer
 # now moves the clock to its time).
 FOUND_SIGNED = [(12, 2), (40137, 2)]
-STEERED = 2  # a hostile member that scales its update, in a group whose plain mean it steers
+# A hostile member that scales its update, in a group whose plain mean it steers: a dense codec's shard (fp32) and a
+# sparse codec's segment (top-k).
+STEERED = [(2, "shard"), (100_115, "segment")]
 # Found while building ``--sit-in`` (members that just caught up sit in and lead no group): where a member sitting
 # in sent a joiner on to the candidate it had asked, as a leader's follower does, the joiners of a round that every
 # member sat in on went round the members' redirects until their retry window closed (seed 7: 61 s, bound 4.6 s),
@@ -151,12 +153,15 @@ def test_200_three_round_seeds_with_members_sitting_in_cuts_and_frozen_leaders_k
     check(list(range(60_000, 60_200)), rounds=3, cuts=True, joins=True, sit_in=True)
 
 
-def test_the_steering_check_sees_a_hostile_member_move_a_plain_mean_and_not_a_robust_aggregator() -> None:
-    """(g) can fail: seed 2's hostile member scales its update by 10; the plain mean, which a private swarm uses,
-    follows it (3.7 to 6.1 times the largest honest contribution off the honest mean), centered-clip does not."""
-    steered = [v for v in run_seed(STEERED, 2, Modes(hostile=True, aggregate="mean")) if "(g)" in v]
-    assert steered and all("hostile (scale)" in v for v in steered)
-    assert run_seed(STEERED, 2, Modes(hostile=True, aggregate="centered-clip")) == []
+@pytest.mark.parametrize(("seed", "where"), STEERED)
+def test_the_steering_check_sees_a_hostile_member_move_a_plain_mean_and_not_a_robust_aggregator(
+    seed: int, where: str
+) -> None:
+    """(g) can fail, for a dense codec's shards and a sparse codec's segments alike: the seed's hostile member scales
+    its update by 10; the plain mean, which a private swarm uses, follows it, centered-clip does not."""
+    steered = [v for v in run_seed(seed, 2, Modes(hostile=True, aggregate="mean")) if "(g)" in v]
+    assert steered and all("hostile (scale)" in v and f" of {where}" in v for v in steered)
+    assert run_seed(seed, 2, Modes(hostile=True, aggregate="centered-clip")) == []
 
 
 @pytest.mark.slow

@@ -52,12 +52,13 @@ member is a failure of its own: (a)-(f) hold the other members, (c) and (e) wher
 And then:
 
 (g) no other member holds a value that is not finite; and where the hostile member is one of three or more whose
-    contributions a part of an applied shard included, that part of the group's update is no further from the
-    token-weighted mean of the other contributions than ``STEER_BOUND`` times the largest of them (dense codecs, a
-    group that did not mix). A bad reducer's shard that no other member checked is left out: it escapes, as the
-    README says (one that a member checked must not apply, or it breaks the bound). The bound is not a theorem for
-    every aggregator (a coordinate-wise median or trim is bounded coordinate by coordinate): over the seeds run, the
-    robust aggregators stayed below 1.8 where the plain mean went to 12 (``--aggregator mean``).
+    contributions a part of the update included (a part of an applied shard for dense codecs, a segment for sparse
+    ones), that part of the group's update is no further from the token-weighted mean of the other contributions
+    than ``STEER_BOUND`` times the largest of them (a group that did not mix). A bad reducer's shard that no other
+    member checked is left out: it escapes, as the README says (one that a member checked must not apply, or it
+    breaks the bound). The bound is not a theorem for every aggregator (a coordinate-wise median or trim is bounded
+    coordinate by coordinate): over the seeds run, the robust aggregators stayed below 1.8 where the plain mean
+    went to 12 (``--aggregator mean``).
 
 With ``--sit-in`` some members of a round (none, some or all, from a generator of their own) have just caught up
 and sit in on it, as a node does: weight 0, and they never lead (``Matchmaker.form_group``). Then:
@@ -774,11 +775,13 @@ def _included(
 
 def _check_steered(r: Played) -> list[str]:
     """(g) no member holds a value that is not finite, and where a hostile member is one of three or more whose
-    contributions a part of an applied shard included (``ledger``), that part of the group's update is no further
-    from the token-weighted mean of the others' contributions than ``STEER_BOUND`` times the largest of them (dense
-    codecs, a round that did not mix; the update is read from the outer step and the momentum ``buffers`` it
-    started from). A bad reducer's own shard is held to it only where a member checked the shard (``verify``): one
-    nobody checked escapes, as the README's Replicated reduction says it can."""
+    contributions a part of the update included, that part of the group's update is no further from the
+    token-weighted mean of the others' contributions than ``STEER_BOUND`` times the largest of them (a round that did
+    not mix; the update is read from the outer step and the momentum ``buffers`` it started from). A part is a part
+    of an applied shard (dense codecs, its contributors read from the reducer's masks in the ``ledger``) or a
+    segment (sparse codecs, which combine segment by segment the contributions the ledger applied). A bad
+    reducer's own shard is held to it only where a member checked the shard (``verify``): one nobody checked
+    escapes, as the README's Replicated reduction says it can."""
     found = [
         f"(g) {m.averager.me} holds a value that is not finite"
         for m in r.live
@@ -786,7 +789,7 @@ def _check_steered(r: Played) -> list[str]:
     ]
     index = {m.averager.me: k for k, m in enumerate(r.live)}
     bad = next((index[p] for p in r.hostiles if p in index), None)
-    if bad is None or r.weights[bad] <= 0 or get_codec(r.codec).sparse:
+    if bad is None or r.weights[bad] <= 0:
         return found
     hostile = r.live[bad].averager.me
     for i, (m, o) in enumerate(zip(r.live, r.outcomes, strict=True)):
@@ -800,29 +803,43 @@ def _check_steered(r: Played) -> list[str]:
         if r.momentum:  # Nesterov moved theta_g by lr ((1 + momentum) update + momentum^2 buffer)
             step = (step - r.momentum**2 * r.buffers[i]) / (1 + r.momentum)
         order = [index[p] for p in group.members]
-        checked = {  # the shards the others checked
-            j for k, c in enumerate(r.outcomes) if k != bad and isinstance(c, RoundOutcome) and c.group == group
-            for j, _, _ in c.checked
-        }  # fmt: skip
-        for j, bounds in enumerate(group.shard_bounds(step.numel())):
-            escaped = r.hostiles[hostile] == "bad-reducer" and group.members[j] == hostile and j not in checked
-            if not o.decisions[j] or escaped:
+        if get_codec(r.codec).sparse:
+            applied = [order[j] for j, ok in enumerate(ledger["applied"]) if ok]
+            parts = [(seg.start, seg.end, "segment", applied) for seg in m.averager.segments]
+        else:
+            parts = list(_shard_parts(r, o, ledger, bad, order, step.numel(), m.averager.part_numel))
+        for ps, pe, where, included in parts:
+            honest = [k for k in included if k != bad and r.weights[k] > 0]
+            if len(honest) < 2 or bad not in included:
                 continue
-            for ps, pe, included in _included(ledger, j, bounds, m.averager.part_numel, order):
-                honest = [k for k in included if k != bad]
-                if len(honest) < 2 or bad not in included:
-                    continue
-                parts = [r.deltas[k][ps:pe] + r.before[k][1][ps:pe] for k in honest]
-                total = sum(r.weights[k] for k in honest)
-                mean = sum(p * (r.weights[k] / total) for p, k in zip(parts, honest, strict=True))
-                largest = max(float(p.norm()) for p in parts)
-                off = float((step[ps:pe] - mean).norm())
-                if off > STEER_BOUND * largest:
-                    found.append(
-                        f"(g) {m.averager.me}: [{ps}:{pe}] of shard {j} is {off:.3g} from the others' mean, "
-                        f"{off / largest:.2f} times the largest of their contributions"
-                    )
+            rows = [r.deltas[k][ps:pe] + r.before[k][1][ps:pe] for k in honest]
+            total = sum(r.weights[k] for k in honest)
+            mean = sum(p * (r.weights[k] / total) for p, k in zip(rows, honest, strict=True))
+            largest = max(float(p.norm()) for p in rows)
+            off = float((step[ps:pe] - mean).norm())
+            if off > STEER_BOUND * largest:
+                found.append(
+                    f"(g) {m.averager.me}: [{ps}:{pe}] of {where} is {off:.3g} from the others' mean, "
+                    f"{off / largest:.2f} times the largest of their contributions"
+                )
     return found
+
+
+def _shard_parts(
+    r: Played, o: RoundOutcome, ledger: dict[str, Any], bad: int, order: list[int], numel: int, part_numel: int
+) -> Iterator[tuple[int, int, str, list[int]]]:
+    """The parts of the applied shards of a dense round that (g) holds to its bound, with the members each included:
+    not those of a bad reducer's own shard that no other member checked."""
+    checked = {  # the shards the others checked
+        j for k, c in enumerate(r.outcomes) if k != bad and isinstance(c, RoundOutcome) and c.group == o.group
+        for j, _, _ in c.checked
+    }  # fmt: skip
+    hostile = r.live[bad].averager.me
+    for j, bounds in enumerate(o.group.shard_bounds(numel)):
+        escaped = r.hostiles[hostile] == "bad-reducer" and o.group.members[j] == hostile and j not in checked
+        if o.decisions[j] and not escaped:
+            for ps, pe, included in _included(ledger, j, bounds, part_numel, order):
+                yield ps, pe, f"shard {j}", included
 
 
 def run_seed(seed: int, rounds: int = 2, modes: Modes = Modes(), quiet: bool = True) -> list[str]:
