@@ -315,14 +315,15 @@ class AveragingConfig(_Section):
 class AttackConfig(_Section):
     kind: Literal[
         "", "scale", "sign-flip", "nan", "random", "big-weight", "alie", "equivocate", "forge-records", "outsider",
-        "bad-reducer", "mute-reducer", "withhold", "own-state", "self-certified",
+        "bad-reducer", "mute-reducer", "withhold", "own-state", "self-certified", "redirect",
     ] = ""  # fmt: skip
     """TEST ONLY: make this node hostile (its contribution to every round is replaced; with equivocate its reports
     and digests differ between members; with forge-records it publishes records in other peers' names; with
     outsider it keeps trying a private swarm whose key it lacks; with bad-reducer it alters the shard it reduces;
     with mute-reducer it never shows checkers what it averaged; with withhold its reports hold no other reducer's
     shard; with own-state it joins every round with a state of its own, and with self-certified one it certifies
-    under a second identity; see swarmtrain/averaging/attack.py). Empty (the default) is an honest node. Refused
+    under a second identity; with redirect it sends every joiner on to a made-up peer; see
+    swarmtrain/averaging/attack.py). Empty (the default) is an honest node. Refused
     unless attack.test_only."""
     test_only: bool = False
     """Must be true for attack.kind to be accepted: a hostile node is for tests, benchmarks and scenarios only."""

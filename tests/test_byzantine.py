@@ -139,10 +139,14 @@ async def deviation_per_round(
 # test_private_swarm and test_hostile_nodes); bad-reducer is caught by checks, not bounded by the aggregator, and
 # mute-reducer contributes and reduces honestly but answers no check (both in test_replicated_reduction);
 # withhold contributes and reduces honestly but reports no other shard as held (below); own-state and
-# self-certified contribute honestly but bring a state of their own (test_certified_mix).
+# self-certified contribute honestly but bring a state of their own (test_certified_mix); redirect contributes
+# honestly but sends joiners on to made-up peers (test_round_agreement, test_sim).
 ROUND_KINDS = [
     k for k in KINDS
-    if k not in ("forge-records", "outsider", "bad-reducer", "mute-reducer", "withhold", "own-state", "self-certified")
+    if k not in (
+        "forge-records", "outsider", "bad-reducer", "mute-reducer", "withhold", "own-state", "self-certified",
+        "redirect",
+    )
 ]  # fmt: skip
 
 

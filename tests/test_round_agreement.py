@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from swarmtrain.averaging import Averager
+from swarmtrain.averaging.attack import Attack
 from swarmtrain.averaging.round import Event, Phase
 from swarmtrain.compression import get_codec
 from swarmtrain.net import MemoryNetwork, PeerUnreachable
@@ -34,8 +35,8 @@ def make_swarm(thetas: list[torch.Tensor], *, part_numel: int = 500, min_deadlin
     return net, averagers
 
 
-async def run_round(averagers, deltas, weights, delays=None):
-    peers = [a.me for a in averagers]
+async def run_round(averagers, deltas, weights, delays=None, peers=None):
+    peers = peers or [a.me for a in averagers]
 
     async def one(a, d, w, delay):
         await asyncio.sleep(delay)
@@ -208,6 +209,24 @@ async def test_a_member_sitting_in_with_the_lowest_peer_id_joins_the_group_the_o
     for a in averagers:
         torch.testing.assert_close(a.outer.theta, -(deltas[1] + 3 * deltas[2]) / 4)
     assert averagers[0].lifecycle.phase is Phase.IN_STEP
+
+
+async def test_members_whose_first_candidate_sends_them_on_to_made_up_peers_meet_without_it() -> None:
+    """peer0, everyone's first candidate, answers every join with a redirect to a made-up peer id, a new one each
+    time, and never moves on from the round (``attack.kind = redirect``). Asking it again after each made-up peer
+    failed, peer1 and peer2 went round for ever. Now each follows its redirects ``SENT_ON`` times and asks its next
+    candidate: the two meet in a group of their own once peer1's gather timeout ends, and apply their mean."""
+    net, averagers = make_swarm([torch.zeros(NUMEL)] * 3)
+    for a in averagers:
+        await a.start()
+    averagers[0].matchmaker.misdirect = Attack("redirect", seed=1).misdirect
+    deltas = [torch.randn(NUMEL) for _ in range(2)]
+    honest = averagers[1:]
+    outcomes = await asyncio.wait_for(run_round(honest, deltas, [1.0, 1.0], peers=[a.me for a in averagers]), 15)
+    assert all(o.group.members == ("peer1", "peer2") for o in outcomes), outcomes
+    assert [o.outcome for o in outcomes] == ["applied"] * 2, outcomes
+    for a in honest:
+        torch.testing.assert_close(a.outer.theta, -(deltas[0] + deltas[1]) / 2)
 
 
 @pytest.mark.parametrize("codec", ["fp32", "int8"])

@@ -84,9 +84,13 @@ STEERED = [(2, "shard"), (100_115, "segment")]
 # member sat in on went round the members' redirects until their retry window closed (seed 7: 61 s, bound 4.6 s),
 # and seed 0 did not end within 20 s of wall time. A member sitting in now refuses joins (code ``sits-in``).
 FOUND_SITTING_IN = [(0, 2), (7, 2)]
+# Found by ``--attack redirect`` (a hostile member answers every join with a redirect to a made-up peer, a new one
+# each time, whatever the round): seed 3's joiners asked it again after each made-up peer failed, and the seed never
+# ended. A joiner now follows one candidate's redirects to new peers ``SENT_ON`` times a round.
+FOUND_REDIRECT = 3
 
 
-def check(seeds: list[int], rounds: int, workers: int = 1, **modes: bool) -> None:
+def check(seeds: list[int], rounds: int, workers: int = 1, **modes: bool | str) -> None:
     """Run ``seeds`` (``Modes`` from ``modes``); fail with each broken seed's replay command and violations."""
     chosen = Modes(**modes)
     if workers > 1:
@@ -153,6 +157,10 @@ def test_200_three_round_seeds_with_members_sitting_in_cuts_and_frozen_leaders_k
     check(list(range(60_000, 60_200)), rounds=3, cuts=True, joins=True, sit_in=True)
 
 
+def test_100_seeds_with_a_member_that_sends_joiners_on_to_made_up_peers_keep_every_round_invariant() -> None:
+    check([FOUND_REDIRECT, *range(70_000, 70_100)], rounds=2, hostile=True, attack="redirect")
+
+
 @pytest.mark.parametrize(("seed", "where"), STEERED)
 def test_the_steering_check_sees_a_hostile_member_move_a_plain_mean_and_not_a_robust_aggregator(
     seed: int, where: str
@@ -186,6 +194,15 @@ def test_1000_signed_three_round_seeds_with_cuts_and_frozen_leaders_break_no_inv
 @pytest.mark.timeout(3600)
 def test_1000_three_round_seeds_with_a_hostile_member_cuts_and_frozen_leaders_break_no_invariant() -> None:
     check(list(range(32_000, 33_000)), rounds=3, workers=os.cpu_count() or 1, cuts=True, joins=True, hostile=True)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(3600)
+def test_1000_three_round_seeds_with_a_member_sending_joiners_on_cuts_and_frozen_leaders_break_no_invariant() -> None:
+    check(
+        list(range(36_000, 37_000)), rounds=3, workers=os.cpu_count() or 1, cuts=True, joins=True, hostile=True,
+        attack="redirect",
+    )  # fmt: skip
 
 
 @pytest.mark.slow

@@ -45,6 +45,11 @@ training literature:
   way there every round; a robust swarm mixes states with its aggregator (``Averager.state_aggregator``), whose
   start most members' state fixes and whose radius is twice the median claimed step, so it pulls by a share of
   that radius. Both kinds claim a million times their true steps in a mix (``boast``); the median ignores that.
+- ``redirect``: an honest update, but it answers every join with a redirect to a peer that does not exist, a new
+  one each time (a peer id is a hash, and ids are free). A joiner that followed every redirect, asking the
+  hostile peer again after each made-up one failed, never ended its round; a joiner now follows one candidate's
+  redirects to new peers ``SENT_ON`` times a round at most (``Matchmaker.form_group``) and then asks its next
+  candidate.
 - ``outsider``: a node without a private swarm's key (none, or another) that does not stop when the swarm refuses
   it (``verify_swarm``): it reads the members' records, asks them for their settings, joins their groups, tries to
   catch up from them and publishes its own record. It gets nothing: every call is refused (``swarm-key``) and
@@ -53,10 +58,12 @@ training literature:
 
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from hivemind.p2p import PeerID
 from hivemind.utils.crypto import RSAPrivateKey
 
 from swarmtrain.averaging.matchmaking import MAX_WEIGHT
@@ -66,7 +73,7 @@ from swarmtrain.compression.wire import pack_header
 
 KINDS = (
     "scale", "sign-flip", "nan", "random", "big-weight", "alie", "equivocate", "forge-records", "outsider",
-    "bad-reducer", "mute-reducer", "withhold", "own-state", "self-certified",
+    "bad-reducer", "mute-reducer", "withhold", "own-state", "self-certified", "redirect",
 )  # fmt: skip
 BIG_WEIGHT = 1e6
 FORGED_AHEAD = 10
@@ -79,6 +86,7 @@ class Attack:
     z: float = 1.0
     seed: int = 0
     _noise: torch.Generator = field(init=False, repr=False)  # ``random``: fresh noise every round, seeded
+    _ids: random.Random = field(init=False, repr=False)  # ``redirect``: made-up peer ids, seeded
     # self-certified: my second identity, made on first use where not given (the simulator gives one of its
     # fixed keys, so a seed replays alike)
     sybil: RoundSigner | None = field(default=None, repr=False)
@@ -87,6 +95,7 @@ class Attack:
         if self.kind not in KINDS:
             raise ValueError(f"unknown attack kind {self.kind!r}: use one of {', '.join(KINDS)}")
         self._noise = torch.Generator().manual_seed(self.seed)
+        self._ids = random.Random(self.seed)
 
     def __call__(self, delta: torch.Tensor, weight: float) -> tuple[torch.Tensor, float]:
         """My hostile contribution and claimed weight in place of the honest ``delta`` and ``weight``."""
@@ -96,12 +105,12 @@ class Attack:
             return delta * -self.scale, weight
         if self.kind in (
             "nan", "equivocate", "forge-records", "outsider", "bad-reducer", "mute-reducer", "withhold", "own-state",
-            "self-certified",
+            "self-certified", "redirect",
         ):  # fmt: skip
             # The payloads carry the NaNs (``wrap_codec``); the exchange equivocates; the node forges records or
             # calls without the swarm's key; the reducer alters its shard (``alter``) or answers no check; the
             # report withholds every other shard; the node brings a state of its own (``steer``), certified by
-            # itself under another identity (``certify``).
+            # itself under another identity (``certify``); it sends joiners on to made-up peers (``misdirect``).
             return delta, weight
         if self.kind == "random":
             noise = torch.randn(delta.shape, generator=self._noise)
@@ -134,6 +143,11 @@ class Attack:
             self.sybil = RoundSigner(RSAPrivateKey())
         held = round_ - 1
         return {"round": held, "key": self.sybil.public, "sig": self.sybil.sign_held(held, digest)}
+
+    def misdirect(self) -> str:
+        """redirect: the peer id I send a joiner on to, made up (the base58 multihash of 32 seeded random bytes, a
+        well-formed id of a key nobody holds) and new each time."""
+        return PeerID(b"\x12\x20" + self._ids.randbytes(32)).to_base58()
 
     def wrap_codec(self, codec: BaseCodec) -> BaseCodec:
         """The uplink codec a node with this attack sends with: ``nan`` writes NaN payloads, the others encode."""

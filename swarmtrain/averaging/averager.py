@@ -147,6 +147,7 @@ class Averager:
             probe_after=min(PROBE_AFTER_S, 0.1 * min_deadline),
         )  # fmt: skip
         self.group_size = group_size
+        self.matchmaker.misdirect = attack.misdirect if kind == "redirect" else None  # tests only
         self.matchmaker.bans = Bans(self.me, ban_rounds)  # peers caught sending invalid payloads (``bans``)
         if signer is not None:
             self.matchmaker.check_held = signer.check_held

@@ -5,7 +5,9 @@ just caught up: it joins, refuses joins and never leads). Every other member cal
 leader (a long poll); the leader waits until every expected member has joined or its gather timeout passes,
 then answers every waiting joiner with the same member list and weights. A member whose leader is
 unreachable tries the next candidate; a member asked to lead while it follows someone else redirects the
-asker. Because one peer decides each group, all its members agree on it, even when views of the swarm differ.
+asker. A joiner follows one candidate's redirects to peers it has not asked at most ``SENT_ON`` times a round: a
+hostile candidate could send it on to made-up peers without end. Because one peer decides each group, all its
+members agree on it, even when views of the swarm differ.
 
 A member that holds the group answers a join from another member with it too. A leader that froze (SIGSTOP) after
 answering some of its members leaves the others waiting; they hear of the group first from the exchange messages of
@@ -19,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+from collections import Counter
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -37,6 +40,7 @@ PROBE_AFTER_S = 1.0  # the longest a member waits on its leader after hearing fr
 PING_EVERY_S, LEADER_PING_S, LEADER_MISSES = 1.0, 1.5, 2  # a joiner pings its leader; two misses: given up on
 LEADER_FAILOVER_S = LEADER_MISSES * (PING_EVERY_S + LEADER_PING_S)  # the most a leader that stops answering holds one
 PLAUSIBLE_SLACK = 2.0  # a member counts at most twice the tokens its published throughput accounts for
+SENT_ON = 2  # the most times in a round a member follows one candidate's redirects to peers it has not asked yet
 
 
 @dataclass
@@ -133,6 +137,8 @@ class Matchmaker:
         # Checks a state's certificate (``RoundSigner.check_held``): set in a signed swarm, where a leader tells its
         # group whose states count in a mix (``Group.counted``) and each member checks it. None: everyone's count.
         self.check_held: Callable[[str, str, int, Any], str | None] | None = None
+        # Tests only (attack.kind = redirect): a made-up peer id, a new one each call, that every join is sent on to.
+        self.misdirect: Callable[[], str] | None = None
 
     @property
     def catching_up(self) -> bool:
@@ -158,6 +164,8 @@ class Matchmaker:
     ) -> dict[str, Any]:
         """Answer a join: the group once it formed, a redirect, or a refusal. ``position`` gives this node's round
         and theta_g digest now (both may change while the join waits)."""
+        if self.misdirect is not None:  # tests only: a hostile peer answers the same whatever the round
+            return {"redirect": self.misdirect()}
         round_ = header.get("round")
         current_round = position()[0]
         if not isinstance(round_, int) or round_ < current_round:
@@ -277,6 +285,7 @@ class Matchmaker:
             candidates = [c for c in candidates if c not in banned]
             expected = expected - banned.keys()
         queue, tried, broken = list(candidates), set() if lead else {self.me}, set()
+        sent_on: Counter[str] = Counter()  # how often each candidate sent me on to a peer I had not asked yet
         self.misses = []
         self.heard = {}
         # A peer that redirects to a leader I found dead is failing over itself: it pings that leader a few times
@@ -319,10 +328,15 @@ class Matchmaker:
                 continue
             if "redirect" in answer:
                 target = answer["redirect"]
-                if isinstance(target, str) and target not in tried:
+                if not isinstance(target, str) or sent_on[candidate] >= SENT_ON and target not in tried:
+                    # A candidate that keeps sending me on to peers I have not asked (a hostile one, to made-up
+                    # ids, a new one each time) would hold me for ever: it is asked no more this round.
+                    continue
+                if target not in tried:
                     # The candidate follows that leader; if it refuses me, it refuses the candidate too, who then
                     # leads or follows its next one: ask the candidate again rather than skip it (skipped, it led
                     # a group that waited for me while I led one of my own).
+                    sent_on[candidate] += 1
                     tried.discard(candidate)
                     queue[:0] = [target, candidate]
                 elif asyncio.get_running_loop().time() < retry_until:

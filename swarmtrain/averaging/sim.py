@@ -115,6 +115,9 @@ HOSTILE = (
     "scale", "sign-flip", "nan", "random", "big-weight", "alie", "equivocate", "bad-reducer", "mute-reducer",
     "withhold", "own-state", "self-certified",
 )  # fmt: skip
+# The attacks ``--attack`` may name: those drawn, and those added since, which are not drawn so that every seed
+# replays as it did (a violation's replay command names the attack).
+ATTACKS = (*HOSTILE, "redirect")
 GATHER_S = 1.0
 STEER_BOUND = 3.0  # (g): how far from the others' mean a hostile member may move a part, in their largest norms
 MAX_MEMBERS = 8
@@ -422,7 +425,8 @@ class Modes:
     """What a seed runs besides its drawn faults, as the command line's flags say: ``cuts`` streams cut midway,
     ``joins`` leaders that freeze as they answer the joins, ``signed`` a public swarm's signed and checked rounds,
     ``hostile`` one hostile member in them, ``aggregate`` the aggregator's spec in place of the drawn one,
-    ``sit_in`` members that just caught up and sit in on a round."""
+    ``sit_in`` members that just caught up and sit in on a round, ``attack`` the hostile member's attack (any kind
+    of ``attack.KINDS`` that acts in a round) in place of the drawn one."""
 
     cuts: bool = False
     joins: bool = False
@@ -430,13 +434,16 @@ class Modes:
     hostile: bool = False
     aggregate: str = ""
     sit_in: bool = False
+    attack: str = ""
 
     @property
     def flags(self) -> str:
         """The command line's flags for these modes (``replay_command``)."""
         names = [f" --{name.replace('_', '-')}" for name in ("cuts", "joins", "signed", "hostile", "sit_in")
                  if getattr(self, name)]  # fmt: skip
-        return "".join(names) + (f" --aggregator {self.aggregate}" if self.aggregate else "")
+        chosen = [f" --{name} {value}" for name, value in (("aggregator", self.aggregate), ("attack", self.attack))
+                  if value]  # fmt: skip
+        return "".join(names + chosen)
 
 
 async def simulate(seed: int, rounds: int = 2, modes: Modes = Modes()) -> list[str]:
@@ -465,7 +472,8 @@ async def simulate(seed: int, rounds: int = 2, modes: Modes = Modes()) -> list[s
     signers = [RoundSigner(key) for _, key in keys]
     bad = hostile_rng.randrange(n) if hostile else -1
     sybil = RoundSigner(_identity(MAX_MEMBERS)[1]) if hostile else None  # its second key
-    attack = Attack(hostile_rng.choice(HOSTILE), seed=seed, sybil=sybil) if hostile else None
+    drawn = hostile_rng.choice(HOSTILE) if hostile else ""  # drawn alike with ``attack`` set: the seed replays
+    attack = Attack(modes.attack or drawn, seed=seed, sybil=sybil) if hostile else None
     net = MemoryNetwork()
     faults = Faults(net)
     members = []
@@ -879,9 +887,12 @@ def main() -> None:
     parser.add_argument("--hostile", action="store_true", help="--signed with one hostile member in each seed")
     parser.add_argument("--aggregator", default="", help="the group's aggregator (a spec) in place of the drawn one")
     parser.add_argument("--sit-in", action="store_true", help="members that just caught up sit in on rounds")
+    parser.add_argument("--attack", default="", help="with --hostile: the hostile member's attack, not a drawn one")
     args = parser.parse_args()
     logging.basicConfig(level=args.log, format="%(asctime)s %(name)s %(message)s")
-    modes = Modes(args.cuts, args.joins, args.signed, args.hostile, args.aggregator, args.sit_in)
+    if args.attack and (not args.hostile or args.attack not in ATTACKS):
+        parser.error(f"--attack needs --hostile and one of {', '.join(ATTACKS)}, not {args.attack!r}")
+    modes = Modes(args.cuts, args.joins, args.signed, args.hostile, args.aggregator, args.sit_in, args.attack)
     failed = 0
     for seed in range(args.seed, args.seed + args.count):
         violations = run_seed(seed, args.rounds, modes, quiet=args.log == "CRITICAL")
