@@ -49,7 +49,8 @@ as a hostile one would (``exchange.withholders``), and (f) leaves it out.
 With ``--hostile`` (signed rounds) one member of each seed is hostile: it makes one of the attacks of ``attack``
 (``HOSTILE``) every round, and the group combines with a robust aggregator, as a public swarm does. The hostile
 member is a failure of its own: (a)-(f) hold the other members, (c) and (e) where the round had no other failure.
-And then:
+``--attack KIND`` gives it that attack in every seed instead of a drawn one (``redirect``, added since the draw was
+fixed, is named this way only). And then:
 
 (g) no other member holds a value that is not finite; and where the hostile member is one of three or more whose
     contributions a part of the update included (a part of an applied shard for dense codecs, a segment for sparse
@@ -69,7 +70,7 @@ and sit in on it, as a node does: weight 0, and they never lead (``Matchmaker.fo
 
 Replay one seed (prints every violation; ``--log INFO`` shows the members' logs):
 ``python -m swarmtrain.averaging.sim --seed 17 --rounds 2`` (add ``--cuts``, ``--joins``, ``--signed``,
-``--hostile``, ``--sit-in`` as the seed was run).
+``--hostile``, ``--attack``, ``--sit-in`` as the seed was run).
 """
 
 from __future__ import annotations
@@ -425,8 +426,8 @@ class Modes:
     """What a seed runs besides its drawn faults, as the command line's flags say: ``cuts`` streams cut midway,
     ``joins`` leaders that freeze as they answer the joins, ``signed`` a public swarm's signed and checked rounds,
     ``hostile`` one hostile member in them, ``aggregate`` the aggregator's spec in place of the drawn one,
-    ``sit_in`` members that just caught up and sit in on a round, ``attack`` the hostile member's attack (any kind
-    of ``attack.KINDS`` that acts in a round) in place of the drawn one."""
+    ``sit_in`` members that just caught up and sit in on a round, ``attack`` the hostile member's attack (one of
+    ``ATTACKS``) in place of the drawn one."""
 
     cuts: bool = False
     joins: bool = False
