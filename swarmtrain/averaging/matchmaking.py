@@ -328,7 +328,7 @@ class Matchmaker:
                 continue
             if "redirect" in answer:
                 target = answer["redirect"]
-                if not isinstance(target, str) or sent_on[candidate] >= SENT_ON and target not in tried:
+                if not isinstance(target, str) or (sent_on[candidate] >= SENT_ON and target not in tried):
                     # A candidate that keeps sending me on to peers I have not asked (a hostile one, to made-up
                     # ids, a new one each time) would hold me for ever: it is asked no more this round.
                     continue

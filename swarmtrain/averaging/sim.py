@@ -83,7 +83,7 @@ import random
 import selectors
 import sys
 from collections import Counter
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -812,11 +812,12 @@ def _check_steered(r: Played) -> list[str]:
         if r.momentum:  # Nesterov moved theta_g by lr ((1 + momentum) update + momentum^2 buffer)
             step = (step - r.momentum**2 * r.buffers[i]) / (1 + r.momentum)
         order = [index[p] for p in group.members]
+        parts: Iterable[tuple[int, int, str, list[int]]]
         if get_codec(r.codec).sparse:
             applied = [order[j] for j, ok in enumerate(ledger["applied"]) if ok]
             parts = [(seg.start, seg.end, "segment", applied) for seg in m.averager.segments]
         else:
-            parts = list(_shard_parts(r, o, ledger, bad, order, step.numel(), m.averager.part_numel))
+            parts = _shard_parts(r, o, ledger, bad, order, step.numel(), m.averager.part_numel)
         for ps, pe, where, included in parts:
             honest = [k for k in included if k != bad and r.weights[k] > 0]
             if len(honest) < 2 or bad not in included:
