@@ -293,7 +293,9 @@ class AveragingConfig(_Section):
     every member, with no reducer)."""
     ban_rounds: int = Field(10, ge=0, le=1_000_000)
     """Rounds a peer caught sending an invalid payload (malformed, non-finite, out of bounds) is left out of this
-    node's groups, with the reason logged; 0 bans nobody."""
+    node's groups, with the reason logged; also a reducer that leaves checks unanswered, a member that withholds
+    others' shards, or a leader that holds joins to their timeout, the second time within 10 rounds (2 rounds the
+    first time). 0 bans nobody."""
     fail_at: str = Field("", pattern=r"^(round=\d+,part=\d+)?$")
     """Fault injection for tests: 'round=R,part=P' makes this node kill itself (SIGKILL) right after sending
     its P-th part in round R. Empty (the default) injects nothing."""
@@ -315,14 +317,15 @@ class AveragingConfig(_Section):
 class AttackConfig(_Section):
     kind: Literal[
         "", "scale", "sign-flip", "nan", "random", "big-weight", "alie", "equivocate", "forge-records", "outsider",
-        "bad-reducer", "mute-reducer", "withhold", "own-state", "self-certified", "redirect",
+        "bad-reducer", "mute-reducer", "withhold", "own-state", "self-certified", "redirect", "hold", "ask-again",
     ] = ""  # fmt: skip
     """TEST ONLY: make this node hostile (its contribution to every round is replaced; with equivocate its reports
     and digests differ between members; with forge-records it publishes records in other peers' names; with
     outsider it keeps trying a private swarm whose key it lacks; with bad-reducer it alters the shard it reduces;
     with mute-reducer it never shows checkers what it averaged; with withhold its reports hold no other reducer's
     shard; with own-state it joins every round with a state of its own, and with self-certified one it certifies
-    under a second identity; with redirect it sends every joiner on to a made-up peer; see
+    under a second identity; with redirect it sends every joiner on to a made-up peer; with hold it holds every
+    join unanswered, and with ask-again it tells every joiner to ask it again; see
     swarmtrain/averaging/attack.py). Empty (the default) is an honest node. Refused
     unless attack.test_only."""
     test_only: bool = False

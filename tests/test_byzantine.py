@@ -139,13 +139,13 @@ async def deviation_per_round(
 # test_private_swarm and test_hostile_nodes); bad-reducer is caught by checks, not bounded by the aggregator, and
 # mute-reducer contributes and reduces honestly but answers no check (both in test_replicated_reduction);
 # withhold contributes and reduces honestly but reports no other shard as held (below); own-state and
-# self-certified contribute honestly but bring a state of their own (test_certified_mix); redirect contributes
-# honestly but sends joiners on to made-up peers (test_round_agreement, test_sim).
+# self-certified contribute honestly but bring a state of their own (test_certified_mix); redirect, hold and
+# ask-again contribute honestly but hold their joiners (test_round_agreement, below, test_sim).
 ROUND_KINDS = [
     k for k in KINDS
     if k not in (
         "forge-records", "outsider", "bad-reducer", "mute-reducer", "withhold", "own-state", "self-certified",
-        "redirect",
+        "redirect", "hold", "ask-again",
     )
 ]  # fmt: skip
 
@@ -333,6 +333,50 @@ async def test_a_member_whose_report_alone_withholds_the_other_shards_stalls_a_r
     for a in honest:
         assert a.matchmaker.bans.reason(withholder.me, again + 1) == (
             f"banned until round {again + 21}: {what} in rounds 0, {again}"
+        )
+
+
+@pytest.mark.parametrize("kind", ["hold", "ask-again"])
+async def test_a_leader_that_holds_its_joiners_is_banned_in_steps_and_the_others_meet_without_it(kind: str) -> None:
+    """The lowest peer id, every member's first candidate, holds every join without forming a group (hold), or
+    tells every joiner to ask it again (ask-again), and never trains. Unbanned, it held both others to their join
+    timeout (or retry window) every round. Each bans it for MUTE_BAN rounds, in which the two meet at once; back, it
+    holds them one more round and is banned for averaging.ban_rounds. Every round, held or not, the two end in one
+    group and apply their mean: the one with the shorter join timeout, given up first, waits for the other to
+    give up too and lead (its retry window closed before, it led a group of one beside the other's)."""
+    averagers = make_group("mean", kind, members=3, hostile=1, hostile_first=True)
+    holder, honest = averagers[0], averagers[1:]
+    join_timeout = 2.0
+    for a, longer in zip(averagers, [0.0, 1.0, 0.0], strict=True):
+        a.matchmaker.bans.rounds = 20
+        a.matchmaker.join_timeout = join_timeout + longer
+        await a.start()
+    peers, loop = [a.me for a in averagers], asyncio.get_running_loop()
+    generator = torch.Generator().manual_seed(3)
+    took = []
+    for _ in range(MUTE_BAN + 3):
+        deltas = [torch.randn(NUMEL, generator=generator) for _ in honest]
+        before, began = honest[0].outer.theta.clone(), loop.time()
+        outcomes = await asyncio.gather(
+            *(a.run_round(d, 1.0, leader_candidates(peers, a.me, 16, "test", a.round), set(peers), gather_timeout=1.0)
+              for a, d in zip(honest, deltas, strict=True))
+        )  # fmt: skip
+        took.append(loop.time() - began)
+        if took[-1] >= join_timeout:  # what the node shows as why its leader failed it (``swarmtrain status``)
+            assert all((holder.me, "held") in [m[:2] for m in a.matchmaker.misses] for a in honest)
+        assert all(o.group.members == (honest[0].me, honest[1].me) and o.outcome == "applied" for o in outcomes), (
+            outcomes
+        )
+        torch.testing.assert_close(honest[1].outer.theta, before - (deltas[0] + deltas[1]) / 2)
+        assert honest[0].outer.theta.equal(honest[1].outer.theta)
+    again = MUTE_BAN + 1
+    assert [r for r, t in enumerate(took) if t >= join_timeout] == [0, again], took
+    assert all(t < join_timeout for r, t in enumerate(took) if r not in (0, again)), took
+    for a in honest:
+        what = "held my join to its timeout without forming a group"
+        assert (
+            a.matchmaker.bans.reason(holder.me, again + 1)
+            == f"banned until round {again + 21}: {what} in rounds 0, {again}"
         )
 
 

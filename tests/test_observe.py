@@ -38,6 +38,9 @@ def test_a_round_that_ends_alone_is_named_after_what_the_matchmaker_heard() -> N
     assert state is NodeState.UNREACHABLE and "bbbbbbbb" in reason and "stream reset" in reason
     state, reason = round_state("diverged", 1, False, [refused])
     assert state is NodeState.LEFT_OUT and "is full" in reason
+    held = Miss(a, "held", "aaaaaaaa held my join 35 s without forming a group")  # it answered pings: not unreachable
+    state, reason = round_state("diverged", 1, False, [held])
+    assert state is NodeState.LEFT_OUT and "aaaaaaaa held my join 35 s" in reason
     assert round_state("diverged", 1, False, [])[0] is NodeState.LEFT_OUT
 
 

@@ -219,7 +219,7 @@ async def test_members_whose_first_candidate_sends_them_on_to_made_up_peers_meet
     net, averagers = make_swarm([torch.zeros(NUMEL)] * 3)
     for a in averagers:
         await a.start()
-    averagers[0].matchmaker.misdirect = Attack("redirect", seed=1).misdirect
+    averagers[0].matchmaker.hostile_join = Attack("redirect", seed=1).answer_join
     deltas = [torch.randn(NUMEL) for _ in range(2)]
     honest = averagers[1:]
     outcomes = await asyncio.wait_for(run_round(honest, deltas, [1.0, 1.0], peers=[a.me for a in averagers]), 15)

@@ -8,6 +8,7 @@ from concurrent.futures import ProcessPoolExecutor
 
 import pytest
 
+from swarmtrain.averaging.bans import Bans
 from swarmtrain.averaging.sim import Modes, failures, replay_command, run_seed
 
 # Seeds that found a break in the protocol, kept as regression tests (seed, rounds): a member cut off through the
@@ -88,6 +89,13 @@ FOUND_SITTING_IN = [(0, 2), (7, 2)]
 # each time, whatever the round): seed 3's joiners asked it again after each made-up peer failed, and the seed never
 # ended. A joiner now follows one candidate's redirects to new peers ``SENT_ON`` times a round.
 FOUND_REDIRECT = 3
+# A hostile member that holds every join (``--attack hold``) or tells every joiner to ask it again (``ask-again``)
+# held its group to their join timeouts every round (seed 5: every round, 51-62 s past a round's bound): a joiner
+# now bans a peer that held it so, in steps (``Bans.held``). Seeds with cuts and frozen leaders found the check's
+# own flaw: a member frozen in a held round (1202), or held by a frozen hostile member (1323), was held by the freeze
+# and bans no one.
+HELD = 5
+FOUND_HELD = [(1202, "hold"), (1323, "ask-again")]
 
 
 def check(seeds: list[int], rounds: int, workers: int = 1, **modes: bool | str) -> None:
@@ -161,6 +169,24 @@ def test_100_seeds_with_a_member_that_sends_joiners_on_to_made_up_peers_keep_eve
     check([FOUND_REDIRECT, *range(70_000, 70_100)], rounds=2, hostile=True, attack="redirect")
 
 
+@pytest.mark.parametrize("attack", ["hold", "ask-again"])
+def test_40_four_round_seeds_with_a_member_that_holds_its_joiners_keep_every_round_invariant(attack: str) -> None:
+    check([HELD, *range(80_000, 80_040)], rounds=4, hostile=True, attack=attack)
+    check([seed for seed, kind in FOUND_HELD if kind == attack], rounds=4, hostile=True, attack=attack, cuts=True,
+          joins=True)  # fmt: skip
+
+
+def test_the_hold_check_sees_members_held_every_round_where_no_ban_ends_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """(i) can fail: with ``Bans.held`` switched off, the seed's hostile member (every member's first candidate)
+    holds its group past its bound in every one of four rounds, and no member bans it."""
+    held = run_seed(HELD, 4, Modes(hostile=True, attack="hold"))
+    assert held == []
+    monkeypatch.setattr(Bans, "held", lambda self, peers, round_: None)
+    unbanned = [v for v in run_seed(HELD, 4, Modes(hostile=True, attack="hold")) if "(i)" in v]
+    assert {int(v.split("; round ")[1][0]) for v in unbanned} == {0, 1, 2, 3}, unbanned
+    assert all("past its bound but bans no one" in v for v in unbanned)
+
+
 @pytest.mark.parametrize(("seed", "where"), STEERED)
 def test_the_steering_check_sees_a_hostile_member_move_a_plain_mean_and_not_a_robust_aggregator(
     seed: int, where: str
@@ -202,6 +228,18 @@ def test_1000_three_round_seeds_with_a_member_sending_joiners_on_cuts_and_frozen
     check(
         list(range(36_000, 37_000)), rounds=3, workers=os.cpu_count() or 1, cuts=True, joins=True, hostile=True,
         attack="redirect",
+    )  # fmt: skip
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(3600)
+@pytest.mark.parametrize("attack", ["hold", "ask-again"])
+def test_1000_three_round_seeds_with_a_member_holding_its_joiners_cuts_and_frozen_leaders_break_no_invariant(
+    attack: str,
+) -> None:
+    check(
+        list(range(38_000, 39_000)), rounds=3, workers=os.cpu_count() or 1, cuts=True, joins=True, hostile=True,
+        attack=attack,
     )  # fmt: skip
 
 

@@ -50,6 +50,14 @@ training literature:
   hostile peer again after each made-up one failed, never ended its round; a joiner now follows one candidate's
   redirects to new peers ``SENT_ON`` times a round at most (``Matchmaker.form_group``) and then asks its next
   candidate.
+- ``hold``: an honest update, but it never answers a join: it holds every joiner (answering its pings, as a slow
+  leader that has not formed its group does) until the joiner gives up on it. As the peer its group takes for its
+  leader (the lowest peer id, which a made-up key can aim for), that cost every member of its group its whole join
+  timeout in every round; a joiner now bans a peer that held its join to its join timeout, in steps
+  (``bans.Bans.held``).
+- ``ask-again``: an honest update, but it answers every join with a redirect to itself ("ask me again"), as a
+  leader that catches up does while it finishes, until the joiner's retry window closes. Banned in steps as
+  ``hold``.
 - ``outsider``: a node without a private swarm's key (none, or another) that does not stop when the swarm refuses
   it (``verify_swarm``): it reads the members' records, asks them for their settings, joins their groups, tries to
   catch up from them and publishes its own record. It gets nothing: every call is refused (``swarm-key``) and
@@ -58,6 +66,7 @@ training literature:
 
 from __future__ import annotations
 
+import asyncio
 import random
 from dataclasses import dataclass, field
 from typing import Any
@@ -66,15 +75,16 @@ import torch
 from hivemind.p2p import PeerID
 from hivemind.utils.crypto import RSAPrivateKey
 
-from swarmtrain.averaging.matchmaking import MAX_WEIGHT
+from swarmtrain.averaging.matchmaking import MAX_DEADLINE_S, MAX_WEIGHT
 from swarmtrain.averaging.signing import RoundSigner
 from swarmtrain.compression import BaseCodec, CodecState
 from swarmtrain.compression.wire import pack_header
 
 KINDS = (
     "scale", "sign-flip", "nan", "random", "big-weight", "alie", "equivocate", "forge-records", "outsider",
-    "bad-reducer", "mute-reducer", "withhold", "own-state", "self-certified", "redirect",
+    "bad-reducer", "mute-reducer", "withhold", "own-state", "self-certified", "redirect", "hold", "ask-again",
 )  # fmt: skip
+JOINS = ("redirect", "hold", "ask-again")  # the kinds that answer joins their own way (``answer_join``)
 BIG_WEIGHT = 1e6
 FORGED_AHEAD = 10
 
@@ -105,12 +115,12 @@ class Attack:
             return delta * -self.scale, weight
         if self.kind in (
             "nan", "equivocate", "forge-records", "outsider", "bad-reducer", "mute-reducer", "withhold", "own-state",
-            "self-certified", "redirect",
+            "self-certified", *JOINS,
         ):  # fmt: skip
             # The payloads carry the NaNs (``wrap_codec``); the exchange equivocates; the node forges records or
             # calls without the swarm's key; the reducer alters its shard (``alter``) or answers no check; the
             # report withholds every other shard; the node brings a state of its own (``steer``), certified by
-            # itself under another identity (``certify``); it sends joiners on to made-up peers (``misdirect``).
+            # itself under another identity (``certify``); it answers joins its own way (``answer_join``).
             return delta, weight
         if self.kind == "random":
             noise = torch.randn(delta.shape, generator=self._noise)
@@ -144,7 +154,15 @@ class Attack:
         held = round_ - 1
         return {"round": held, "key": self.sybil.public, "sig": self.sybil.sign_held(held, digest)}
 
-    def misdirect(self) -> str:
+    async def answer_join(self, me: str) -> dict[str, Any]:
+        """redirect, hold, ask-again: my answer to every join, whatever its round (I am ``me``)."""
+        if self.kind == "hold":  # until the joiner gives up (its call is cancelled), answering its pings meanwhile
+            await asyncio.sleep(MAX_DEADLINE_S)
+        if self.kind == "redirect":
+            return {"redirect": self.made_up_peer()}
+        return {"redirect": me}
+
+    def made_up_peer(self) -> str:
         """redirect: the peer id I send a joiner on to, made up (the base58 multihash of 32 seeded random bytes, a
         well-formed id of a key nobody holds) and new each time."""
         return PeerID(b"\x12\x20" + self._ids.randbytes(32)).to_base58()

@@ -21,6 +21,7 @@ import torch
 
 from swarmtrain.averaging.allgather import AllGather, plan_segments
 from swarmtrain.averaging.allreduce import AllReduce
+from swarmtrain.averaging.attack import JOINS
 from swarmtrain.averaging.bans import Bans
 from swarmtrain.averaging.exchange import AllReduceResult, GroupExchange, Unsettled, disputes, withholders
 from swarmtrain.averaging.group import Group
@@ -147,7 +148,7 @@ class Averager:
             probe_after=min(PROBE_AFTER_S, 0.1 * min_deadline),
         )  # fmt: skip
         self.group_size = group_size
-        self.matchmaker.misdirect = attack.misdirect if kind == "redirect" else None  # tests only
+        self.matchmaker.hostile_join = attack.answer_join if kind in JOINS else None  # tests only
         self.matchmaker.bans = Bans(self.me, ban_rounds)  # peers caught sending invalid payloads (``bans``)
         if signer is not None:
             self.matchmaker.check_held = signer.check_held

@@ -6,8 +6,8 @@ or late (but see below). Every member of a group receives the same payloads from
 part, every member the whole all-gathered payload), so the honest members of a group ban the same peer in the
 same round.
 
-Two offences are banned in steps (``strike``, ``withholder``), because an honest peer commits them too when it
-is slow once, and each costs the whole group shards of a round:
+Three offences are banned in steps (``strike``, ``withholder``, ``held``), because an honest peer commits them too
+when it is slow once, and each costs the whole group shards of a round or the round's time:
 
 - a reducer that leaves this node's check of its shard unanswered (``averaging.verify``: it sent its results, then
   did not show what it averaged in time). Each such check withholds its shard from the whole group, so a reducer
@@ -16,14 +16,21 @@ is slow once, and each costs the whole group shards of a round:
   most of the group's reports held each of them with one hash). A shard applies only where every report holds it,
   so such a member unbanned would make its group fall back on all those shards every round. One hostile reducer
   can make an honest member's check of its own shard fail, never of another reducer's: an honest member is struck
-  only when its own checks or its own downlink failed for two reducers at once.
+  only when its own checks or its own downlink failed for two reducers at once;
+- a leader that held this node's join to its join timeout without forming a group (answering pings meanwhile), or
+  kept telling it to ask again until its retry window closed (``Matchmaker.form_group``). A peer taken for its
+  group's leader (the lowest peer id, which a made-up key can aim for) that did so held every member of its group
+  that long every round. A slow honest leader does the same to a joiner whose inner phase is a quarter of its own
+  or less and 30 s or more shorter (the join timeout is ``max(30 s, 3 inner phases)``); that joiner then stops
+  waiting on it and meets the others, as the gather timeout has a slower peer's update join a later round.
 
 Such a ban lasts ``MUTE_BAN`` rounds (a live peer may have been slow once), and ``averaging.ban_rounds`` where it
 is the ``MUTE_STRIKES``-th of its kind within ``MUTE_ROUNDS`` rounds.
 
-A ban acts in group formation: this node does not join a banned peer as its leader, does not expect it, and
-refuses its joins (code ``banned``, with the reason) while leading. It is this node's own decision, logged with
-its reason and shown in its record (``swarmtrain status``); it ends by itself after ``averaging.ban_rounds``.
+A ban acts in group formation: this node does not join a banned peer as its leader (nor follow another peer's
+redirect to it), does not expect it, and refuses its joins (code ``banned``, with the reason) while leading. It is
+this node's own decision, logged with its reason and shown in its record (``swarmtrain status``); it ends by
+itself after ``averaging.ban_rounds``.
 """
 
 from __future__ import annotations
@@ -54,6 +61,7 @@ class Bans:
         self.withheld: dict[str, list[int]] = {}  # peer -> the recent rounds in which its report alone withheld shards
         self.disputed: dict[str, int] = {}  # reducer -> the last round some member's report withheld its shard
         self.accused: dict[str, tuple[int, str]] = {}  # member -> the round and reducer it last disputed
+        self.holds: dict[str, list[int]] = {}  # peer -> the recent rounds in which it held my join to its end
 
     def record(self, offenders: dict[str, str], round_: int, rounds: int | None = None) -> None:
         """Ban each of ``offenders`` (peer -> reason) from round ``round_ + 1`` for ``rounds`` rounds (by default
@@ -83,6 +91,13 @@ class Bans:
         that most of the group held (``exchange.withholders``): banned in steps, as ``strike``."""
         what = "alone withheld other reducers' shards that most of its group held"
         self._in_steps(self.withheld, peers, round_, f"{what} in its report", f"{what} in its reports")
+
+    def held(self, peers: set[str], round_: int) -> None:
+        """Each of ``peers``, asked to lead me in ``round_``, held my join to my join timeout, or kept telling me
+        to ask it again until my retry window closed, without forming a group (``Matchmaker.form_group``):
+        banned in steps, as ``strike``."""
+        what = "held my join to its timeout without forming a group"
+        self._in_steps(self.holds, peers, round_, what, what)
 
     def _in_steps(self, record: dict[str, list[int]], peers: set[str], round_: int, once: str, again: str) -> None:
         for peer in peers - {self.me}:

@@ -6,8 +6,9 @@ leader (a long poll); the leader waits until every expected member has joined or
 then answers every waiting joiner with the same member list and weights. A member whose leader is
 unreachable tries the next candidate; a member asked to lead while it follows someone else redirects the
 asker. A joiner follows one candidate's redirects to peers it has not asked at most ``SENT_ON`` times a round: a
-hostile candidate could send it on to made-up peers without end. Because one peer decides each group, all its
-members agree on it, even when views of the swarm differ.
+hostile candidate could send it on to made-up peers without end. A leader that held a joiner to its join timeout,
+or told it to ask again until its retry window closed, is banned by it in steps (``_held``). Because one peer
+decides each group, all its members agree on it, even when views of the swarm differ.
 
 A member that holds the group answers a join from another member with it too. A leader that froze (SIGSTOP) after
 answering some of its members leaves the others waiting; they hear of the group first from the exchange messages of
@@ -40,6 +41,8 @@ PROBE_AFTER_S = 1.0  # the longest a member waits on its leader after hearing fr
 PING_EVERY_S, LEADER_PING_S, LEADER_MISSES = 1.0, 1.5, 2  # a joiner pings its leader; two misses: given up on
 LEADER_FAILOVER_S = LEADER_MISSES * (PING_EVERY_S + LEADER_PING_S)  # the most a leader that stops answering holds one
 PLAUSIBLE_SLACK = 2.0  # a member counts at most twice the tokens its published throughput accounts for
+JOIN_SLACK_S = 5.0  # a join call's timeout past the join timeout: the leader's own "not ready in time" comes first
+HELD_WAIT = 3.0  # join timeouts a joiner waits for the others to give up on a leader that held it (``_held``)
 SENT_ON = 2  # the most times in a round a member follows one candidate's redirects to peers it has not asked yet
 
 
@@ -137,8 +140,8 @@ class Matchmaker:
         # Checks a state's certificate (``RoundSigner.check_held``): set in a signed swarm, where a leader tells its
         # group whose states count in a mix (``Group.counted``) and each member checks it. None: everyone's count.
         self.check_held: Callable[[str, str, int, Any], str | None] | None = None
-        # Tests only (attack.kind = redirect): a made-up peer id, a new one each call, that every join is sent on to.
-        self.misdirect: Callable[[], str] | None = None
+        # Tests only (attack.kind = redirect, hold, ask-again): a hostile peer's answer to every join, given my id.
+        self.hostile_join: Callable[[str], Awaitable[dict[str, Any]]] | None = None
 
     @property
     def catching_up(self) -> bool:
@@ -164,8 +167,8 @@ class Matchmaker:
     ) -> dict[str, Any]:
         """Answer a join: the group once it formed, a redirect, or a refusal. ``position`` gives this node's round
         and theta_g digest now (both may change while the join waits)."""
-        if self.misdirect is not None:  # tests only: a hostile peer answers the same whatever the round
-            return {"redirect": self.misdirect()}
+        if self.hostile_join is not None:  # tests only: a hostile peer answers its own way whatever the round
+            return await self.hostile_join(self.me)
         round_ = header.get("round")
         current_round = position()[0]
         if not isinstance(round_, int) or round_ < current_round:
@@ -286,12 +289,14 @@ class Matchmaker:
             expected = expected - banned.keys()
         queue, tried, broken = list(candidates), set() if lead else {self.me}, set()
         sent_on: Counter[str] = Counter()  # how often each candidate sent me on to a peer I had not asked yet
+        loop = asyncio.get_running_loop()
         self.misses = []
         self.heard = {}
         # A peer that redirects to a leader I found dead is failing over itself: it pings that leader a few times
         # (seconds under load) before it leads; ask it again until then rather than lead a group of my own. The
         # same for a leader catching up that holds my state: it redirects me to itself until it is done.
-        retry_until = asyncio.get_running_loop().time() + gather_timeout + self.join_timeout
+        retry_until = loop.time() + gather_timeout + self.join_timeout
+        held: dict[str, float] = {}  # the candidates that held me this round (``_held``), and until when I wait
         while queue:
             candidate = queue.pop(0)
             if candidate in tried:
@@ -307,6 +312,7 @@ class Matchmaker:
             request = {**self.header, "round": round_, "weight": weight, "digest": digest, "cap_s": cap_s}
             if cert is not None:
                 request["cert"] = cert
+            asked = loop.time()
             try:
                 answer = await self._join(candidate, request)
             except (PeerUnreachable, RpcTimeout, RemoteError) as exc:
@@ -315,7 +321,10 @@ class Matchmaker:
                         f"this node cannot train with the swarm: the peer answered: {exc}"
                     ) from None
                 log.info("round %d: could not join %s: %s", round_, candidate[-8:], exc)
-                self.misses.append((candidate, _miss_kind(exc), str(exc)))
+                if loop.time() - asked >= self.join_timeout:  # it answered my pings and formed no group for me
+                    held[candidate] = self._held(candidate, round_, f"held my join {loop.time() - asked:.0f} s")
+                else:
+                    self.misses.append((candidate, _miss_kind(exc), str(exc)))
                 if weight == 0 and isinstance(exc, RemoteError) and exc.code == "over":
                     break  # an observer behind the swarm: nothing to lead with, catch up again at once
                 if isinstance(exc, PeerUnreachable) and candidate not in broken:
@@ -332,6 +341,8 @@ class Matchmaker:
                     # A candidate that keeps sending me on to peers I have not asked (a hostile one, to made-up
                     # ids, a new one each time) would hold me for ever: it is asked no more this round.
                     continue
+                if target in banned:
+                    continue  # it follows a peer I banned before this round: waiting on it, I would wait on that
                 if target not in tried:
                     # The candidate follows that leader; if it refuses me, it refuses the candidate too, who then
                     # leads or follows its next one: ask the candidate again rather than skip it (skipped, it led
@@ -339,10 +350,12 @@ class Matchmaker:
                     sent_on[candidate] += 1
                     tried.discard(candidate)
                     queue[:0] = [target, candidate]
-                elif asyncio.get_running_loop().time() < retry_until:
+                elif loop.time() < max(retry_until, held.get(target, 0.0)):
                     tried.discard(candidate)
                     queue.insert(0, candidate)
                     await asyncio.sleep(0.3)
+                elif target == candidate:
+                    held[candidate] = self._held(candidate, round_, "told me to ask it again until my window closed")
                 continue
             group = self._parse_group(round_, answer, request)
             if group is not None:
@@ -353,10 +366,26 @@ class Matchmaker:
         lobby.settle(group)
         return group
 
+    def _held(self, candidate: str, round_: int, how: str) -> float:
+        """``candidate`` held me in ``round_`` without forming a group, ``how``: banned in steps (``Bans.held``).
+        A hostile peer taken for its group's leader held every member that long every round; a slow honest one
+        does too, and a joiner is better off not waiting on it.
+
+        The others it held give up on it too, each at its own join timeout (which differ with inner phases), and
+        the next candidate leads. Until then that one, or a peer that follows it, still sends me to the peer that
+        held me: I ask it again until ``HELD_WAIT`` join timeouts of mine from now (the time returned), not only
+        until my retry window closes (closed, I led a group of one beside theirs)."""
+        why = f"{candidate[-8:]} {how} without forming a group"
+        log.info("round %d: %s", round_, why)
+        self.misses.append((candidate, "held", why))
+        self.bans.held({candidate}, round_)
+        return asyncio.get_running_loop().time() + HELD_WAIT * self.join_timeout
+
     async def _join(self, leader: str, request: dict[str, Any]) -> dict[str, Any]:
         """Long-poll the leader, pinging it meanwhile: a leader that stops answering pings is given up on
         at once instead of after the whole join timeout (its daemon may linger after the process died)."""
-        call = asyncio.ensure_future(self.transport.call(leader, "join", request, timeout=self.join_timeout + 5))
+        timeout = self.join_timeout + JOIN_SLACK_S
+        call = asyncio.ensure_future(self.transport.call(leader, "join", request, timeout=timeout))
         loop = asyncio.get_running_loop()
         misses, ping_at = 0, loop.time() + PING_EVERY_S
         probed: set[str] = set()

@@ -49,8 +49,8 @@ as a hostile one would (``exchange.withholders``), and (f) leaves it out.
 With ``--hostile`` (signed rounds) one member of each seed is hostile: it makes one of the attacks of ``attack``
 (``HOSTILE``) every round, and the group combines with a robust aggregator, as a public swarm does. The hostile
 member is a failure of its own: (a)-(f) hold the other members, (c) and (e) where the round had no other failure.
-``--attack KIND`` gives it that attack in every seed instead of a drawn one (``redirect``, added since the draw was
-fixed, is named this way only). And then:
+``--attack KIND`` gives it that attack in every seed instead of a drawn one (``redirect``, ``hold`` and
+``ask-again``, added since the draw was fixed, are named this way only). And then:
 
 (g) no other member holds a value that is not finite; and where the hostile member is one of three or more whose
     contributions a part of the update included (a part of an applied shard for dense codecs, a segment for sparse
@@ -60,6 +60,16 @@ fixed, is named this way only). And then:
     breaks the bound). The bound is not a theorem for every aggregator (a coordinate-wise median or trim is bounded
     coordinate by coordinate): over the seeds run, the robust aggregators stayed below 1.8 where the plain mean
     went to 12 (``--aggregator mean``).
+
+With ``--attack hold`` or ``ask-again`` (a hostile member that holds every join, or tells every joiner to ask it
+again) the members' join timeouts are drawn from ``JOIN_TIMEOUTS``, so that they give up on it at different
+times, and:
+
+(i) a member that stayed in a round past its bound (b) did not ban the hostile member when the round began, stayed
+    at most the longest join timeout more (and a join call's slack and a gather timeout), and bans it from the
+    next round on, unless it or the hostile member was frozen in the round (then it was held by the freeze); no
+    member bans a peer for holding its join but the hostile one; and in a round where every member banned it and
+    no fault fired, the members end in one group.
 
 With ``--sit-in`` some members of a round (none, some or all, from a generator of their own) have just caught up
 and sit in on it, as a node does: weight 0, and they never lead (``Matchmaker.form_group``). Then:
@@ -96,7 +106,7 @@ from swarmtrain.averaging.attack import Attack
 from swarmtrain.averaging.averager import DIGEST_SHARE, Averager, RoundOutcome
 from swarmtrain.averaging.exchange import PING_FAILURES
 from swarmtrain.averaging.group import Group
-from swarmtrain.averaging.matchmaking import LEADER_FAILOVER_S
+from swarmtrain.averaging.matchmaking import JOIN_SLACK_S, LEADER_FAILOVER_S
 from swarmtrain.averaging.robust import KINDS as AGGREGATORS
 from swarmtrain.averaging.robust import parse_aggregator
 from swarmtrain.averaging.round import Phase
@@ -118,7 +128,9 @@ HOSTILE = (
 )  # fmt: skip
 # The attacks ``--attack`` may name: those drawn, and those added since, which are not drawn so that every seed
 # replays as it did (a violation's replay command names the attack).
-ATTACKS = (*HOSTILE, "redirect")
+ATTACKS = (*HOSTILE, "redirect", "hold", "ask-again")
+HOLDS = ("hold", "ask-again")  # the attacks that hold a joiner in a round: (b) allows it once, then (i)
+JOIN_TIMEOUTS = (20.0, 40.0, 60.0)  # a member's join timeout, drawn where the hostile one holds joins
 GATHER_S = 1.0
 STEER_BOUND = 3.0  # (g): how far from the others' mean a hostile member may move a part, in their largest norms
 MAX_MEMBERS = 8
@@ -455,6 +467,7 @@ async def simulate(seed: int, rounds: int = 2, modes: Modes = Modes()) -> list[s
     signed_rng = random.Random(seed ^ 0x516)
     hostile_rng = random.Random(seed ^ 0xBAD)
     sit_rng = random.Random(seed ^ 0x5177)
+    hold_rng = random.Random(seed ^ 0x401D)
     hostile = modes.hostile
     signed = modes.signed or hostile  # a hostile member meets a public swarm's defences
     torch.default_generator.manual_seed(seed)  # the CPU generator only: seeding every accelerator costs ms
@@ -490,6 +503,8 @@ async def simulate(seed: int, rounds: int = 2, modes: Modes = Modes()) -> list[s
             rng=random.Random(seed * MAX_MEMBERS + i), ban_rounds=ban_rounds, attack=mine,
         )  # fmt: skip
         await averager.start()
+        if modes.attack in HOLDS:  # joiners that give up on a holding leader at different times (``_held``)
+            averager.matchmaker.join_timeout = hold_rng.choice(JOIN_TIMEOUTS)
         members.append(Member(averager))
     violations: list[str] = []
     # The hostile member's state and outcomes are its own: the invariants hold the others to them.
@@ -522,6 +537,10 @@ async def simulate(seed: int, rounds: int = 2, modes: Modes = Modes()) -> list[s
         before = [(m.averager.outer.theta.clone(), _residual(m.averager).clone()) for m in live]
         buffers = [m.averager.outer.buf.clone() if m.averager.outer.buf is not None else None for m in live]
         banned = {p for m in live for p in m.averager.matchmaker.bans.active(m.averager.round)}
+        trusting = {
+            m.averager.me for m in live for p, kind in hostiles.items()
+            if kind in HOLDS and m.averager.matchmaker.bans.reason(p, m.averager.round) is None
+        }  # fmt: skip
         contributed = [_contribution(m.averager, d, w) for m, d, w in zip(live, deltas, weights, strict=True)]
         own = [m.averager.deadline_s() for m in live]
         plan = draw_faults(rng, peers, 3.0) + (draw_cut(cut_rng, peers) if modes.cuts else [])
@@ -544,7 +563,7 @@ async def simulate(seed: int, rounds: int = 2, modes: Modes = Modes()) -> list[s
         failed = failures(faults.fired) + late + hostile_live
         played = Played(
             live, outcomes, weights, contributed, before, buffers, own, list(faults.fired), set(faults.frozen),
-            banned, hostiles, sitting, codec, lr, momentum,
+            banned, hostiles, trusting, sitting, codec, lr, momentum,
         )  # fmt: skip
         found = _check(played, aggregator.plain and not hostiles, failover, failed)
         found += _check_confirmed(played, second=late or (hostile_live and failed > 1))
@@ -576,6 +595,7 @@ class Played:
     frozen: set[str]
     banned: set[str]
     hostiles: dict[str, str]
+    trusting: set[str]  # the members that did not ban a hostile member that holds joins (``HOLDS``) when it began
     sitting: set[str]
     codec: str
     lr: float
@@ -593,12 +613,23 @@ def _check(r: Played, plain_mean: bool, failover: float, failed: int) -> list[st
         if not isinstance(o, RoundOutcome):
             found.append(f"{m.averager.me} raised {o!r}")
     survivors = [(i, m, o) for i, m, o in survivors if isinstance(o, RoundOutcome)]
-    # (b) every survivor leaves within its bound
+    # (b) every survivor leaves within its bound; (i) but one that a hostile leader held, once per ban
+    holders = {p for p, kind in r.hostiles.items() if kind in HOLDS}
     for i, m, o in survivors:
         budget = min(o.group.deadline_s or r.own[i], m.averager.deadline_factor * r.own[i])
         bound = GATHER_S + failover + budget + ((2 if o.group.mixed else 1) + DIGEST_SHARE + 1) * budget + 0.5
-        if o.duration_s > bound:
-            found.append(f"(b) {m.averager.me} took {o.duration_s:.2f} s, bound {bound:.2f} s ({o.phases})")
+        bans, me = m.averager.matchmaker.bans, m.averager.me
+        hold = 0.0
+        if me in r.trusting and o.duration_s > bound:
+            hold = max(JOIN_TIMEOUTS) + JOIN_SLACK_S + GATHER_S  # until the last one gives up on it (``_held``)
+            if not r.frozen & {me, *holders} and not any(bans.reason(p, o.round + 1) for p in holders):
+                found.append(f"(i) {me} was held {o.duration_s - bound:.2f} s past its bound but bans no one")
+        if o.duration_s > bound + hold:
+            found.append(f"(b) {me} took {o.duration_s:.2f} s, bound {bound + hold:.2f} s ({o.phases})")
+        if wrong := set(bans.holds) - holders:
+            found.append(f"(i) {me} banned {sorted(wrong)} for holding its join")
+    if holders and not r.trusting and not r.fired and len(split := {o.group.members for _, _, o in survivors}) > 1:
+        found.append(f"(i) every member banned the hostile one, no fault fired, and they ended in groups {split}")
     confirmed = [(i, m, o) for i, m, o in survivors if o.outcome in ("applied", "fallback") and o.group.size > 1]
     # (c) one decision per slot, and on whether to mix, among the correct members (not frozen this round) that
     # heard others' reports, whatever their digest vote said afterwards; and a frozen member that confirmed a

@@ -65,7 +65,7 @@ class Miss:
     """A leader the matchmaker could not join in a round: who, and how it failed."""
 
     peer: str
-    kind: str  # "late" (the group had formed or the round was over), "banned", "unreachable", or "refused"
+    kind: str  # "late" (the group had formed or the round was over), "banned", "unreachable", "refused", or "held"
     message: str
 
 
