@@ -16,8 +16,9 @@ from __future__ import annotations
 import argparse
 import logging
 from collections import defaultdict
+from typing import Any
 
-from swarmtrain.averaging import Averager
+from swarmtrain.averaging import Averager, RoundOutcome
 from swarmtrain.averaging.bans import Bans
 from swarmtrain.averaging.sim import Modes, run_seed
 
@@ -30,7 +31,7 @@ def run(seeds: int, rounds: int, attack: str) -> tuple[dict[int, list[float]], d
     seen: dict[tuple[int, int], list[tuple[float, tuple[str, ...]]]] = defaultdict(list)
     play = Averager.run_round
 
-    async def recorded(self: Averager, *args, **kwargs):
+    async def recorded(self: Averager, *args: Any, **kwargs: Any) -> RoundOutcome:
         outcome = await play(self, *args, **kwargs)
         if self.attack is None:
             seen[(current, outcome.round)].append((outcome.duration_s, outcome.group.members))

@@ -20,17 +20,19 @@ when it is slow once, and each costs the whole group shards of a round or the ro
 - a leader that held this node's join to its join timeout without forming a group (answering pings meanwhile), or
   kept telling it to ask again until its retry window closed (``Matchmaker.form_group``). A peer taken for its
   group's leader (the lowest peer id, which a made-up key can aim for) that did so held every member of its group
-  that long every round. A slow honest leader does the same to a joiner whose inner phase is a quarter of its own
-  or less and 30 s or more shorter (the join timeout is ``max(30 s, 3 inner phases)``); that joiner then stops
-  waiting on it and meets the others, as the gather timeout has a slower peer's update join a later round.
+  that long every round. Only a call that timed out, or the leader's own "not ready" answer, counts: a broken
+  stream, a full group or another refusal does not. An honest leader does the same to a joiner whose join timeout
+  (``max(30 s, 3 inner phases)``) ends before it forms its group: one much slower than the joiner, or one that
+  waits for a much slower member. That joiner was left out of its group either way; banned, the leader is no
+  longer its candidate, and it meets the others or leads, where the others may still follow that leader.
 
 Such a ban lasts ``MUTE_BAN`` rounds (a live peer may have been slow once), and ``averaging.ban_rounds`` where it
 is the ``MUTE_STRIKES``-th of its kind within ``MUTE_ROUNDS`` rounds.
 
-A ban acts in group formation: this node does not join a banned peer as its leader (nor follow another peer's
-redirect to it), does not expect it, and refuses its joins (code ``banned``, with the reason) while leading. It is
-this node's own decision, logged with its reason and shown in its record (``swarmtrain status``); it ends by
-itself after ``averaging.ban_rounds``.
+A ban acts in group formation: this node does not join a banned peer as its first choice of leader (it still follows
+another peer's redirect to it), does not expect it, and refuses its joins (code ``banned``, with the reason) while
+leading. It is this node's own decision, logged with its reason and shown in its record (``swarmtrain status``); it
+ends by itself after ``averaging.ban_rounds``.
 """
 
 from __future__ import annotations

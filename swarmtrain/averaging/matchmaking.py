@@ -41,7 +41,7 @@ PROBE_AFTER_S = 1.0  # the longest a member waits on its leader after hearing fr
 PING_EVERY_S, LEADER_PING_S, LEADER_MISSES = 1.0, 1.5, 2  # a joiner pings its leader; two misses: given up on
 LEADER_FAILOVER_S = LEADER_MISSES * (PING_EVERY_S + LEADER_PING_S)  # the most a leader that stops answering holds one
 PLAUSIBLE_SLACK = 2.0  # a member counts at most twice the tokens its published throughput accounts for
-JOIN_SLACK_S = 5.0  # a join call's timeout past the join timeout: the leader's own "not ready in time" comes first
+JOIN_SLACK_S = 5.0  # a join call's timeout past the join timeout: a leader's own "not ready" may come first
 HELD_WAIT = 3.0  # join timeouts a joiner waits for the others to give up on a leader that held it (``_held``)
 SENT_ON = 2  # the most times in a round a member follows one candidate's redirects to peers it has not asked yet
 
@@ -99,6 +99,13 @@ def _miss_kind(exc: Exception) -> str:
     if isinstance(exc, PeerUnreachable | RpcTimeout):
         return "unreachable"
     return "refused"
+
+
+def _unanswered(exc: Exception) -> bool:
+    """Whether a join that failed was held unanswered: my call timed out while the leader answered my pings
+    (``Matchmaker._join``), or the leader let it wait out its own join timeout. Not a broken stream (the leader
+    may have put me in its group), a full group or any other refusal: an honest leader gives those."""
+    return isinstance(exc, RpcTimeout) or (isinstance(exc, RemoteError) and exc.code == "not-ready")
 
 
 class Matchmaker:
@@ -221,7 +228,7 @@ class Matchmaker:
             return self._redirect(lobby, sender)
         if self.catching_up:
             return self._while_catching_up(round_, digest, position)
-        raise Rejected(f"the leader of round {round_} was not ready in time")
+        raise Rejected(f"the leader of round {round_} was not ready in time", code="not-ready")
 
     def _on_probe(self, lobby: Lobby, sender: str) -> dict[str, Any]:
         """A member of my group whose leader stopped answering asks me for the group: answered at once, never
@@ -321,8 +328,9 @@ class Matchmaker:
                         f"this node cannot train with the swarm: the peer answered: {exc}"
                     ) from None
                 log.info("round %d: could not join %s: %s", round_, candidate[-8:], exc)
-                if loop.time() - asked >= self.join_timeout:  # it answered my pings and formed no group for me
-                    held[candidate] = self._held(candidate, round_, f"held my join {loop.time() - asked:.0f} s")
+                waited = loop.time() - asked
+                if waited >= self.join_timeout and _unanswered(exc):  # it answered my pings, formed no group
+                    held[candidate] = self._held(candidate, round_, f"held my join {waited:.0f} s")
                 else:
                     self.misses.append((candidate, _miss_kind(exc), str(exc)))
                 if weight == 0 and isinstance(exc, RemoteError) and exc.code == "over":
@@ -341,8 +349,6 @@ class Matchmaker:
                     # A candidate that keeps sending me on to peers I have not asked (a hostile one, to made-up
                     # ids, a new one each time) would hold me for ever: it is asked no more this round.
                     continue
-                if target in banned:
-                    continue  # it follows a peer I banned before this round: waiting on it, I would wait on that
                 if target not in tried:
                     # The candidate follows that leader; if it refuses me, it refuses the candidate too, who then
                     # leads or follows its next one: ask the candidate again rather than skip it (skipped, it led

@@ -539,7 +539,7 @@ async def simulate(seed: int, rounds: int = 2, modes: Modes = Modes()) -> list[s
         banned = {p for m in live for p in m.averager.matchmaker.bans.active(m.averager.round)}
         trusting = {
             m.averager.me for m in live for p, kind in hostiles.items()
-            if kind in HOLDS and m.averager.matchmaker.bans.reason(p, m.averager.round) is None
+            if kind in HOLDS and m.averager.me != p and m.averager.matchmaker.bans.reason(p, m.averager.round) is None
         }  # fmt: skip
         contributed = [_contribution(m.averager, d, w) for m, d, w in zip(live, deltas, weights, strict=True)]
         own = [m.averager.deadline_s() for m in live]
