@@ -155,12 +155,14 @@ class Attack:
         return {"round": held, "key": self.sybil.public, "sig": self.sybil.sign_held(held, digest)}
 
     async def answer_join(self, me: str) -> dict[str, Any]:
-        """redirect, hold, ask-again: my answer to every join, whatever its round (I am ``me``)."""
-        if self.kind == "hold":  # until the joiner gives up (its call is cancelled), answering its pings meanwhile
-            await asyncio.sleep(MAX_DEADLINE_S)
+        """redirect, hold, ask-again: my answer to every join, whatever its round (I am ``me``). hold answers only
+        after the longest budget a round may have, long after every joiner gave up (its call cancelled), and
+        answers their pings meanwhile."""
         if self.kind == "redirect":
             return {"redirect": self.made_up_peer()}
-        return {"redirect": me}
+        if self.kind == "hold":
+            await asyncio.sleep(MAX_DEADLINE_S)
+        return {"redirect": me}  # ask-again: "ask me again"
 
     def made_up_peer(self) -> str:
         """redirect: the peer id I send a joiner on to, made up (the base58 multihash of 32 seeded random bytes, a
