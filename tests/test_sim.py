@@ -3,6 +3,7 @@ boundaries on a virtual clock; every round's invariants are checked. A failing s
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 from concurrent.futures import ProcessPoolExecutor
 
@@ -98,13 +99,20 @@ HELD = 5
 FOUND_HELD = [(1202, "hold"), (1323, "ask-again")]
 
 
+# The default suite's runs of many seeds use both cores of a CI machine. Workers fork from a server process that has
+# imported the simulator and started no thread, not from pytest's, where earlier tests' threads may hold a lock.
+WORKERS = min(2, os.cpu_count() or 1)
+SPAWN = multiprocessing.get_context("forkserver")
+SPAWN.set_forkserver_preload(["swarmtrain.averaging.sim"])
+
+
 def check(seeds: list[int], rounds: int, workers: int = 1, **modes: bool | str) -> None:
     """Run ``seeds`` (``Modes`` from ``modes``); fail with each broken seed's replay command and violations."""
     chosen = Modes(**modes)
     if workers > 1:
         n = len(seeds)
-        with ProcessPoolExecutor(workers) as pool:
-            runs = pool.map(run_seed, seeds, [rounds] * n, [chosen] * n, chunksize=50)
+        with ProcessPoolExecutor(workers, mp_context=SPAWN) as pool:
+            runs = pool.map(run_seed, seeds, [rounds] * n, [chosen] * n, chunksize=min(50, -(-n // (4 * workers))))
             found = dict(zip(seeds, runs, strict=True))
     else:
         found = {seed: run_seed(seed, rounds, chosen) for seed in seeds}
@@ -131,7 +139,7 @@ def test_seeds_with_streams_cut_midway_that_found_breaks_hold_now(seed: int, rou
 
 
 def test_500_seeds_with_streams_cut_midway_keep_every_round_invariant() -> None:
-    check(list(range(1000, 1500)), rounds=1, cuts=True)
+    check(list(range(1000, 1500)), rounds=1, workers=WORKERS, cuts=True)
 
 
 @pytest.mark.parametrize(("seed", "rounds"), FOUND_WITH_JOINS)
@@ -140,7 +148,7 @@ def test_seeds_with_leaders_frozen_as_they_answer_that_found_breaks_hold_now(see
 
 
 def test_300_seeds_with_leaders_frozen_as_they_answer_keep_every_round_invariant() -> None:
-    check(list(range(6000, 6300)), rounds=2, joins=True)
+    check(list(range(6000, 6300)), rounds=2, workers=WORKERS, joins=True)
 
 
 @pytest.mark.parametrize(("seed", "rounds"), FOUND_SIGNED)
@@ -149,11 +157,11 @@ def test_signed_seeds_that_found_breaks_hold_now(seed: int, rounds: int) -> None
 
 
 def test_100_seeds_of_signed_checked_rounds_keep_every_round_invariant() -> None:
-    check(list(range(40_000, 40_100)), rounds=2, signed=True)
+    check(list(range(40_000, 40_100)), rounds=2, workers=WORKERS, signed=True)
 
 
 def test_100_seeds_with_a_hostile_member_keep_every_round_invariant() -> None:
-    check(list(range(50_000, 50_100)), rounds=2, hostile=True)
+    check(list(range(50_000, 50_100)), rounds=2, workers=WORKERS, hostile=True)
 
 
 @pytest.mark.parametrize(("seed", "rounds"), FOUND_SITTING_IN)
@@ -162,16 +170,16 @@ def test_seeds_with_members_sitting_in_that_found_breaks_hold_now(seed: int, rou
 
 
 def test_200_three_round_seeds_with_members_sitting_in_cuts_and_frozen_leaders_keep_every_round_invariant() -> None:
-    check(list(range(60_000, 60_200)), rounds=3, cuts=True, joins=True, sit_in=True)
+    check(list(range(60_000, 60_200)), rounds=3, workers=WORKERS, cuts=True, joins=True, sit_in=True)
 
 
 def test_100_seeds_with_a_member_that_sends_joiners_on_to_made_up_peers_keep_every_round_invariant() -> None:
-    check([FOUND_REDIRECT, *range(70_000, 70_100)], rounds=2, hostile=True, attack="redirect")
+    check([FOUND_REDIRECT, *range(70_000, 70_100)], rounds=2, workers=WORKERS, hostile=True, attack="redirect")
 
 
 @pytest.mark.parametrize("attack", ["hold", "ask-again"])
 def test_40_four_round_seeds_with_a_member_that_holds_its_joiners_keep_every_round_invariant(attack: str) -> None:
-    check([HELD, *range(80_000, 80_040)], rounds=4, hostile=True, attack=attack)
+    check([HELD, *range(80_000, 80_040)], rounds=4, workers=WORKERS, hostile=True, attack=attack)
     check([seed for seed, kind in FOUND_HELD if kind == attack], rounds=4, hostile=True, attack=attack, cuts=True,
           joins=True)  # fmt: skip
 
