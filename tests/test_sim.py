@@ -102,8 +102,8 @@ FOUND_HELD = [(1202, "hold"), (1323, "ask-again")]
 # The default suite's runs of many seeds use both cores of a CI machine. Workers fork from a server process that has
 # imported the simulator and started no thread, not from pytest's, where earlier tests' threads may hold a lock.
 WORKERS = min(2, os.cpu_count() or 1)
-SPAWN = multiprocessing.get_context("forkserver")
-SPAWN.set_forkserver_preload(["swarmtrain.averaging.sim"])
+WORKER_START = multiprocessing.get_context("forkserver")
+WORKER_START.set_forkserver_preload(["swarmtrain.averaging.sim"])
 
 
 def check(seeds: list[int], rounds: int, workers: int = 1, **modes: bool | str) -> None:
@@ -111,7 +111,7 @@ def check(seeds: list[int], rounds: int, workers: int = 1, **modes: bool | str) 
     chosen = Modes(**modes)
     if workers > 1:
         n = len(seeds)
-        with ProcessPoolExecutor(workers, mp_context=SPAWN) as pool:
+        with ProcessPoolExecutor(workers, mp_context=WORKER_START) as pool:
             runs = pool.map(run_seed, seeds, [rounds] * n, [chosen] * n, chunksize=min(50, -(-n // (4 * workers))))
             found = dict(zip(seeds, runs, strict=True))
     else:

@@ -176,4 +176,9 @@ def summarize(console: Console, dirs: list[Path], rounds: int, wall: float, root
     table.add_row("bytes sent per node", f"{sent / 1e6:.1f} MB")
     table.add_row("sync data parallel, same steps (fp32 ring)", f"{ddp / 1e6:.1f} MB ({ddp / max(sent, 1):.0f}x more)")
     console.print(table)
+    console.print(
+        f"The {n} nodes shared this machine's cores, so the swarm did fewer steps than one node that owns them: the "
+        "demo shows the mechanics (identical replicas, bytes on the wire), not a speedup, which needs separate "
+        "machines."
+    )
     console.print(f"held-out bpb {swarm_bpb:.3f}")
