@@ -3,7 +3,6 @@ alone for the same wall time, and a summary of both."""
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import re
@@ -13,6 +12,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from swarmtrain.node.demo import read_metrics
 
 
 @pytest.mark.slow
@@ -31,10 +32,8 @@ def test_the_demo_trains_a_swarm_whose_replicas_agree_and_says_what_its_comparis
             proc.wait()
     text = out.decode(errors="replace")
     assert proc.returncode == 0, text[-3000:]
-    rows = []
-    for i in range(2):
-        lines = (run_dir / f"node{i}" / "metrics.jsonl").read_text().splitlines()
-        rows.append([r for r in map(json.loads, lines) if r.get("kind") == "round"])
+    metrics = [read_metrics(run_dir / f"node{i}" / "metrics.jsonl") for i in range(2)]
+    rows = [[r for r in records if r.get("kind") == "round"] for records in metrics]
     # Both nodes ran both rounds together and hold the same bytes after each.
     assert [len(r) for r in rows] == [2, 2], rows
     for first, second in zip(*rows, strict=True):

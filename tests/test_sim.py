@@ -99,16 +99,18 @@ HELD = 5
 FOUND_HELD = [(1202, "hold"), (1323, "ask-again")]
 
 
-# The default suite's runs of many seeds use both cores of a CI machine. Workers fork from a server process that has
-# imported the simulator and started no thread, not from pytest's, where earlier tests' threads may hold a lock.
-WORKERS = min(2, os.cpu_count() or 1)
+# A run of POOL_FROM seeds or more uses every core (a pool takes about a second to start; a seed tens of
+# milliseconds). Workers fork from a server process that has imported the simulator and started no thread, not from
+# pytest's, where earlier tests' threads may hold a lock.
+POOL_FROM = 20
 WORKER_START = multiprocessing.get_context("forkserver")
 WORKER_START.set_forkserver_preload(["swarmtrain.averaging.sim"])
 
 
-def check(seeds: list[int], rounds: int, workers: int = 1, **modes: bool | str) -> None:
+def check(seeds: list[int], rounds: int, **modes: bool | str) -> None:
     """Run ``seeds`` (``Modes`` from ``modes``); fail with each broken seed's replay command and violations."""
     chosen = Modes(**modes)
+    workers = (os.cpu_count() or 1) if len(seeds) >= POOL_FROM else 1
     if workers > 1:
         n = len(seeds)
         with ProcessPoolExecutor(workers, mp_context=WORKER_START) as pool:
@@ -139,7 +141,7 @@ def test_seeds_with_streams_cut_midway_that_found_breaks_hold_now(seed: int, rou
 
 
 def test_500_seeds_with_streams_cut_midway_keep_every_round_invariant() -> None:
-    check(list(range(1000, 1500)), rounds=1, workers=WORKERS, cuts=True)
+    check(list(range(1000, 1500)), rounds=1, cuts=True)
 
 
 @pytest.mark.parametrize(("seed", "rounds"), FOUND_WITH_JOINS)
@@ -148,7 +150,7 @@ def test_seeds_with_leaders_frozen_as_they_answer_that_found_breaks_hold_now(see
 
 
 def test_300_seeds_with_leaders_frozen_as_they_answer_keep_every_round_invariant() -> None:
-    check(list(range(6000, 6300)), rounds=2, workers=WORKERS, joins=True)
+    check(list(range(6000, 6300)), rounds=2, joins=True)
 
 
 @pytest.mark.parametrize(("seed", "rounds"), FOUND_SIGNED)
@@ -157,11 +159,11 @@ def test_signed_seeds_that_found_breaks_hold_now(seed: int, rounds: int) -> None
 
 
 def test_100_seeds_of_signed_checked_rounds_keep_every_round_invariant() -> None:
-    check(list(range(40_000, 40_100)), rounds=2, workers=WORKERS, signed=True)
+    check(list(range(40_000, 40_100)), rounds=2, signed=True)
 
 
 def test_100_seeds_with_a_hostile_member_keep_every_round_invariant() -> None:
-    check(list(range(50_000, 50_100)), rounds=2, workers=WORKERS, hostile=True)
+    check(list(range(50_000, 50_100)), rounds=2, hostile=True)
 
 
 @pytest.mark.parametrize(("seed", "rounds"), FOUND_SITTING_IN)
@@ -170,16 +172,16 @@ def test_seeds_with_members_sitting_in_that_found_breaks_hold_now(seed: int, rou
 
 
 def test_200_three_round_seeds_with_members_sitting_in_cuts_and_frozen_leaders_keep_every_round_invariant() -> None:
-    check(list(range(60_000, 60_200)), rounds=3, workers=WORKERS, cuts=True, joins=True, sit_in=True)
+    check(list(range(60_000, 60_200)), rounds=3, cuts=True, joins=True, sit_in=True)
 
 
 def test_100_seeds_with_a_member_that_sends_joiners_on_to_made_up_peers_keep_every_round_invariant() -> None:
-    check([FOUND_REDIRECT, *range(70_000, 70_100)], rounds=2, workers=WORKERS, hostile=True, attack="redirect")
+    check([FOUND_REDIRECT, *range(70_000, 70_100)], rounds=2, hostile=True, attack="redirect")
 
 
 @pytest.mark.parametrize("attack", ["hold", "ask-again"])
 def test_40_four_round_seeds_with_a_member_that_holds_its_joiners_keep_every_round_invariant(attack: str) -> None:
-    check([HELD, *range(80_000, 80_040)], rounds=4, workers=WORKERS, hostile=True, attack=attack)
+    check([HELD, *range(80_000, 80_040)], rounds=4, hostile=True, attack=attack)
     check([seed for seed, kind in FOUND_HELD if kind == attack], rounds=4, hostile=True, attack=attack, cuts=True,
           joins=True)  # fmt: skip
 
@@ -209,34 +211,31 @@ def test_the_steering_check_sees_a_hostile_member_move_a_plain_mean_and_not_a_ro
 @pytest.mark.slow
 @pytest.mark.timeout(7200)
 def test_20000_seeds_break_no_invariant() -> None:
-    check(list(range(100_000, 120_000)), rounds=2, workers=os.cpu_count() or 1)
+    check(list(range(100_000, 120_000)), rounds=2)
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(3600)
 def test_4000_three_round_seeds_with_cuts_and_frozen_leaders_break_no_invariant() -> None:
-    check(list(range(20_000, 24_000)), rounds=3, workers=os.cpu_count() or 1, cuts=True, joins=True)
+    check(list(range(20_000, 24_000)), rounds=3, cuts=True, joins=True)
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(3600)
 def test_1000_signed_three_round_seeds_with_cuts_and_frozen_leaders_break_no_invariant() -> None:
-    check(list(range(30_000, 31_000)), rounds=3, workers=os.cpu_count() or 1, cuts=True, joins=True, signed=True)
+    check(list(range(30_000, 31_000)), rounds=3, cuts=True, joins=True, signed=True)
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(3600)
 def test_1000_three_round_seeds_with_a_hostile_member_cuts_and_frozen_leaders_break_no_invariant() -> None:
-    check(list(range(32_000, 33_000)), rounds=3, workers=os.cpu_count() or 1, cuts=True, joins=True, hostile=True)
+    check(list(range(32_000, 33_000)), rounds=3, cuts=True, joins=True, hostile=True)
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(3600)
 def test_1000_three_round_seeds_with_a_member_sending_joiners_on_cuts_and_frozen_leaders_break_no_invariant() -> None:
-    check(
-        list(range(36_000, 37_000)), rounds=3, workers=os.cpu_count() or 1, cuts=True, joins=True, hostile=True,
-        attack="redirect",
-    )  # fmt: skip
+    check(list(range(36_000, 37_000)), rounds=3, cuts=True, joins=True, hostile=True, attack="redirect")
 
 
 @pytest.mark.slow
@@ -245,13 +244,10 @@ def test_1000_three_round_seeds_with_a_member_sending_joiners_on_cuts_and_frozen
 def test_1000_three_round_seeds_with_a_member_holding_its_joiners_cuts_and_frozen_leaders_break_no_invariant(
     attack: str,
 ) -> None:
-    check(
-        list(range(38_000, 39_000)), rounds=3, workers=os.cpu_count() or 1, cuts=True, joins=True, hostile=True,
-        attack=attack,
-    )  # fmt: skip
+    check(list(range(38_000, 39_000)), rounds=3, cuts=True, joins=True, hostile=True, attack=attack)
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(3600)
 def test_1000_three_round_seeds_with_members_sitting_in_cuts_and_frozen_leaders_break_no_invariant() -> None:
-    check(list(range(34_000, 35_000)), rounds=3, workers=os.cpu_count() or 1, cuts=True, joins=True, sit_in=True)
+    check(list(range(34_000, 35_000)), rounds=3, cuts=True, joins=True, sit_in=True)
