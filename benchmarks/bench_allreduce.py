@@ -294,10 +294,10 @@ PROFILED = [
     ("encode its parts (codec, error feedback)", "allreduce.py", "_encode_up"),
     ("decode and check the parts and results it receives", "allreduce.py", "_store"),
     ("reduce its shard (the aggregator)", "robust.py", "reduce"),
-    ("hash the results for the report", "allreduce.py", "_result_hash"),
+    ("hash the results for the report", "allreduce.py", "_hash_arrived"),
     ("give back to the residual what the group did not apply", "allreduce.py", "_give_back"),
     ("outer step", "outer.py", "step"),
-    ("hash the new state for the digest vote", "outer.py", "state_digest"),
+    ("hash the new state for the digest vote", "outer.py", "chunk_hashes"),
 ]
 
 

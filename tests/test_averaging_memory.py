@@ -63,6 +63,19 @@ async def test_group_applies_the_token_weighted_average_bit_identically() -> Non
     assert all(a.round == 1 for a in averagers)
 
 
+async def test_a_round_whose_members_all_answer_at_once_pings_nobody() -> None:
+    """A member pings a peer only once it has waited on it a ping interval: where every part, result, report and
+    digest is there at once, each ping would be a stream opened and served at both ends for nothing."""
+    net, averagers = make_swarm(4)
+    for a in averagers:
+        await a.start()
+    calls: list[str] = []
+    net.before_call = lambda src, dst, method, header: calls.append(method)
+    outcomes = await run_round(averagers, [torch.randn(NUMEL) for _ in averagers], [1.0] * 4)
+    assert {o.outcome for o in outcomes} == {"applied"} and len({o.digest for o in outcomes}) == 1
+    assert {"parts", "results", "report", "digest"} <= set(calls) and "ping" not in calls
+
+
 async def test_a_reducer_killed_after_its_first_part_is_dropped_the_same_way_by_all() -> None:
     net, averagers = make_swarm(4)
     for a in averagers:
@@ -502,9 +515,11 @@ async def test_a_member_sent_on_to_a_leader_that_refuses_asks_the_one_that_sent_
 @pytest.mark.parametrize("order", [[0, 1, 2], [2, 0, 1]], ids=["in-order", "out-of-order"])
 async def test_a_shards_result_hash_folded_in_as_its_parts_arrive_is_the_hash_of_the_whole(order: list[int]) -> None:
     """Members hash each result part as it lands (``_result_hash``), not the whole shard after the transfer; the
-    hash members compare must still be that of the shard's values and masks, whatever order the parts came in."""
+    hash members compare must still be that of the shard's payloads in order and its masks, whatever order the
+    parts came in."""
+    import blake3
+
     from swarmtrain.averaging.allreduce import AllReduce
-    from swarmtrain.averaging.outer import state_digest
 
     group = Group(0, ("a", "b"), (1.0, 1.0))
     fp16 = get_codec("fp16")
@@ -514,9 +529,10 @@ async def test_a_shards_result_hash_folded_in_as_its_parts_arrive_is_the_hash_of
     )  # fmt: skip
     values = torch.randn(3000, generator=torch.Generator().manual_seed(0))
     masks = [b"\x03", b"\x02", b"\x03"]  # whom each part included: both members, then only b
+    payloads = [fp16.encode(values[part * 1000 : (part + 1) * 1000]) for part in range(3)]
     for part in order:
-        payload = fp16.encode(values[part * 1000 : (part + 1) * 1000])
-        exchange.on_result("b", {"shard": 1, "part": part, "codec": "fp16"}, masks[part] + payload)
+        exchange.on_result("b", {"shard": 1, "part": part, "codec": "fp16"}, masks[part] + payloads[part])
     box = exchange.results[1]
     assert box.complete.is_set() and torch.equal(box.buffer, fp16.decode(fp16.encode(values), 3000))
-    assert exchange._result_hash(1) == state_digest(box.buffer, extra=b"".join(masks))
+    whole = blake3.blake3(b"".join(payloads) + b"".join(masks)).hexdigest()[:24]
+    assert exchange._result_hash(1) == whole and not box.unhashed

@@ -79,9 +79,11 @@ class _Inbox:
     buffer: torch.Tensor
     parts: set[int] = field(default_factory=set)
     masks: dict[int, bytes] = field(default_factory=dict)  # results only: per part, the members the reducer included
-    # Results only: BLAKE3 over the first ``hashed`` parts' values, folded in as they arrive (``_result_hash``).
+    # Results only: BLAKE3 over the first ``hashed`` parts' payloads, folded in as they arrive (``_result_hash``),
+    # and the payloads of parts that came before a part still missing.
     hasher: Any = field(default_factory=blake3.blake3)
     hashed: int = 0
+    unhashed: dict[int, memoryview] = field(default_factory=dict)
     complete: asyncio.Event = field(default_factory=asyncio.Event)
     arrived: asyncio.Event = field(default_factory=asyncio.Event)
 
@@ -202,22 +204,24 @@ class AllReduce(GroupExchange):
         return mask
 
     def _result_hash(self, j: int) -> str:
-        """What members compare for shard j: the averaged values and whom each part included, so that members
-        that apply the shard also agree on whose contribution it holds (see ``_give_back``). The hash of
-        ``state_digest(values, extra=masks)`` for a complete shard, whose values ``on_result`` hashed as they
-        arrived."""
+        """What members compare for shard j: the averaged values, as the payloads its reducer sent (which every
+        member decodes alike; fp16 payloads are half the bytes of the values), and whom each part included, so that
+        members that apply the shard also agree on whose contribution it holds (see ``_give_back``). For a
+        complete shard, the hash of its parts' payloads in order and then its masks, the payloads hashed by
+        ``on_result`` as they arrived."""
         box = self.results[j]
         hasher = box.hasher.copy()
         hasher.update(b"".join(box.masks[p] for p in sorted(box.masks)))
         return hasher.hexdigest()[:24]
 
-    def _hash_arrived(self, box: _Inbox) -> None:
-        """Fold the result parts stored since the last call, in order up to the first still missing, into the
-        shard's hash: during the transfer, not after it, when every member would wait on the hash."""
-        parts = self._parts(box.buffer.numel())
-        while box.hashed in box.parts:
-            start, end = parts[box.hashed]
-            box.hasher.update(box.buffer[start:end].view(torch.uint8).numpy())
+    @staticmethod
+    def _hash_arrived(box: _Inbox, part: int, payload: memoryview) -> None:
+        """Fold the payload of result part ``part``, just stored, and those held back for it, in order up to the
+        first still missing, into the shard's hash: during the transfer, not after it, when every member would
+        wait on the hash."""
+        box.unhashed[part] = payload
+        while box.hashed in box.unhashed:
+            box.hasher.update(box.unhashed.pop(box.hashed))
             box.hashed += 1
 
     def _step(self, start: int, end: int) -> float:
@@ -331,9 +335,10 @@ class AllReduce(GroupExchange):
         try:
             view = memoryview(body)  # slices of it, not copies of a multi-MB payload
             mask = self._check_mask(bytes(view[: self.mask_bytes]))
-            self._store(self.results[j], header, view[self.mask_bytes :], self.codec_down, "result")
+            payload = view[self.mask_bytes :]
+            self._store(self.results[j], header, payload, self.codec_down, "result")
             self.results[j].masks[header["part"]] = mask
-            self._hash_arrived(self.results[j])
+            self._hash_arrived(self.results[j], header["part"], payload)
         except Rejected as exc:
             self.liveness.mark_dead(sender, f"sent a bad result ({exc})")
             raise

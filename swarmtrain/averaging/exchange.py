@@ -79,7 +79,10 @@ class Liveness:
     async def _ping_loop(self, peer: str) -> None:
         # Two failures in a row, of either kind: under load a live peer's stream can break once (an
         # IncompleteReadError), and a peer wrongly declared dead costs the whole group a fallback shard.
+        # The first ping waits an interval: most waits end sooner (a report, a digest, the next part), and each
+        # ping is a stream opened and served at both ends, which on a loaded CPU delays the round it checks.
         failures = 0
+        await asyncio.sleep(PING_INTERVAL)
         while peer not in self.dead:
             try:
                 await self.transport.call(peer, "ping", self.header, timeout=PING_TIMEOUT)
