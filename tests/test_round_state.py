@@ -179,6 +179,16 @@ def test_a_gossip_round_that_did_not_mix_is_confirmed_by_most_of_the_group_witho
     assert _decide("x", {"a": "x", "b": "y"}, gossip=True, group_size=4).outcome == "diverged"
 
 
+def test_a_member_whose_report_no_one_relayed_back_does_not_confirm_a_gossip_round_that_did_not_mix() -> None:
+    """Frozen through the reports, its report reached no one: it decided with a report no one else's view holds
+    (simulator seed 2002478), and in a round that did not mix the digests cannot show it. A plain round's digest
+    vote still confirms it where it holds the majority state."""
+    unmixed = {"a": "x", "b": "y", "c": "z"}
+    assert _decide("x", unmixed, gossip=True, mixes=False, echoed=False).outcome == "diverged"
+    assert _decide("x", unmixed, gossip=True, mixes=False, echoed=True).outcome == "fallback"
+    assert _decide("x", {"a": "x", "b": "x", "c": "y"}, echoed=False).outcome == "applied"
+
+
 def test_a_member_that_decided_alone_counts_itself_diverged() -> None:
     unmixed = {"a": "x", "b": "y", "c": "z"}
     cut_off = _decide("x", unmixed, gossip=True, reports=1)  # heard no one's report

@@ -6,11 +6,15 @@ from __future__ import annotations
 import multiprocessing
 import os
 from concurrent.futures import ProcessPoolExecutor
+from types import SimpleNamespace
+from typing import Any
 
 import pytest
 
+from swarmtrain.averaging.averager import RoundOutcome
 from swarmtrain.averaging.bans import Bans
-from swarmtrain.averaging.sim import Modes, failures, replay_command, run_seed
+from swarmtrain.averaging.group import Group
+from swarmtrain.averaging.sim import Modes, Played, _check_sat_in, failures, replay_command, run_seed
 
 # Seeds that found a break in the protocol, kept as regression tests (seed, rounds): a member cut off through the
 # report exchange decided alone in a gossip round that did not mix, and confirmed a state nobody shared instead
@@ -86,6 +90,20 @@ STEERED = [(2, "shard"), (100_115, "segment")]
 # member sat in on went round the members' redirects until their retry window closed (seed 7: 61 s, bound 4.6 s),
 # and seed 0 did not end within 20 s of wall time. A member sitting in now refuses joins (code ``sits-in``).
 FOUND_SITTING_IN = [(0, 2), (7, 2)]
+# Found by a sweep with every mode (``--seed 2000000 --count 1500 --rounds 4 --signed --hostile --cuts --joins
+# --sit-in``): (h)'s own flaw, not the protocol's. It wanted the live members that no one banned in one group of
+# exactly them, so a member only the hostile one had banned, in the group with the others as it should be, broke it
+# (2000193, 2001222); and where some members had banned the hostile one and others had not, it led those that had
+# not and the others formed a group of their own (2000863), as bans are each member's own.
+FOUND_HOSTILE_SITTING_IN = [2000193, 2000863, 2001222]
+# Found by the same sweep, in the protocol. 2001858: an equivocating member told two members different reports; one
+# asked the other to prove the report it relayed, and the answer was lost to one broken stream, so the asker kept
+# the value it held while the other, which got its proof, left the equivocator out: they decided differently on
+# whether to mix. A proof request is now asked again, as a report is. 2002478: a member frozen through the reports
+# of a gossip round that did not mix decided with its own report in its view, which had reached no one, and
+# confirmed (states differ in such a round, so the digest vote cannot show it): it now needs another member's relay
+# to hold its report before it confirms such a round.
+FOUND_HOSTILE_SITTING_IN += [2001858, 2002478]
 # Found by ``--attack redirect`` (a hostile member answers every join with a redirect to a made-up peer, a new one
 # each time, whatever the round): seed 3's joiners asked it again after each made-up peer failed, and the seed never
 # ended. A joiner now follows one candidate's redirects to new peers ``SENT_ON`` times a round.
@@ -97,6 +115,9 @@ FOUND_REDIRECT = 3
 # and bans no one.
 HELD = 5
 FOUND_HELD = [(1202, "hold"), (1323, "ask-again")]
+# With members sitting in (``--seed 2100000 --count 600 --rounds 4 --cuts --joins --sit-in``), the check's own flaw:
+# where every honest member sat in, none led, and each ended alone, which it took for a split.
+FOUND_HELD_SITTING_IN = [(2100051, "hold"), (2100019, "ask-again")]
 
 
 # A run of POOL_FROM seeds or more uses every core (a pool takes about a second to start; a seed tens of
@@ -184,6 +205,8 @@ def test_40_four_round_seeds_with_a_member_that_holds_its_joiners_keep_every_rou
     check([HELD, *range(80_000, 80_040)], rounds=4, hostile=True, attack=attack)
     check([seed for seed, kind in FOUND_HELD if kind == attack], rounds=4, hostile=True, attack=attack, cuts=True,
           joins=True)  # fmt: skip
+    check([seed for seed, kind in FOUND_HELD_SITTING_IN if kind == attack], rounds=4, hostile=True, attack=attack,
+          cuts=True, joins=True, sit_in=True)  # fmt: skip
 
 
 def test_the_hold_check_sees_members_held_every_round_where_no_ban_ends_it(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -206,6 +229,39 @@ def test_the_steering_check_sees_a_hostile_member_move_a_plain_mean_and_not_a_ro
     steered = [v for v in run_seed(seed, 2, Modes(hostile=True, aggregate="mean")) if "(g)" in v]
     assert steered and all("hostile (scale)" in v and f" of {where}" in v for v in steered)
     assert run_seed(seed, 2, Modes(hostile=True, aggregate="centered-clip")) == []
+
+
+def test_100_four_round_seeds_with_a_hostile_member_sitting_in_cuts_and_frozen_leaders_keep_every_invariant() -> None:
+    check([*FOUND_HOSTILE_SITTING_IN, *range(90_000, 90_100)], rounds=4, hostile=True, cuts=True, joins=True,
+          sit_in=True)  # fmt: skip
+
+
+def _ended(groups: list[tuple[str, ...]], **fields: Any) -> Played:
+    """A round whose live members ended in ``groups`` (each member once), as (h) reads it."""
+    live, outcomes = [], []
+    for members in groups:
+        group = Group(round=0, members=members, weights=(1.0,) * len(members))
+        for me in members:
+            live.append(SimpleNamespace(averager=SimpleNamespace(me=me)))
+            outcomes.append(RoundOutcome(0, group, "applied", "d", 1.0, [], 0.1))
+    empty: dict[str, Any] = dict(weights=[], deltas=[], before=[], buffers=[], own=[], fired=[], frozen=set(),
+                                 banned=set(), hostiles={}, trusting=set(), unbanned=False, sitting={"b"},
+                                 codec="fp32", lr=1.0, momentum=0.0)  # fmt: skip
+    return Played(live, outcomes, **{**empty, **fields})
+
+
+def test_the_sitting_in_check_sees_live_members_split_but_not_what_bans_or_a_hostile_leader_explain() -> None:
+    """(h) can fail on a split of members no one banned, and leaves alone a member only some banned and the split a
+    hostile leader makes among members of which only some banned it (the seeds of ``FOUND_HOSTILE_SITTING_IN``)."""
+    split = [("a", "c"), ("b",)]
+    assert [v for v in _check_sat_in(_ended(split)) if "ended in groups" in v]
+    assert _check_sat_in(_ended(split, banned={"b"})) == []
+    assert _check_sat_in(_ended([("a", "b", "c"), ("h",)], banned={"a", "h"}, hostiles={"h": "nan"})) == []
+    led = [("a", "h"), ("b", "c")]
+    assert _check_sat_in(_ended(led, banned={"h"}, hostiles={"h": "nan"}, unbanned=True)) == []
+    assert _check_sat_in(_ended(led, banned={"h"}, hostiles={"h": "nan"}))
+    assert [v for v in _check_sat_in(_ended([("a", "b", "c")], sitting={"a", "b"})) if "formed a group" in v] == []
+    assert [v for v in _check_sat_in(_ended([("a", "b"), ("c",)], sitting={"a", "b"})) if "formed a group" in v]
 
 
 @pytest.mark.slow

@@ -386,7 +386,7 @@ class Averager:
         # len(update.view): the view after the digests, which relay it too
         verdict = decide(
             self.me, digest, digests, result.applied, group.size, group.mixed, mixes, heard, len(update.view),
-            voters=group.voters(digests),
+            voters=group.voters(digests), echoed=update.values["report"].echoed,
         )  # fmt: skip
         outcome, digest = await self._settle(r, verdict, digest)
         self._remember(r.number, update, outcome)

@@ -139,6 +139,9 @@ class Values:
     proofs: dict[str, Any]
     relays: dict[str, dict[str, Any]]
     relays_in: dict[str, asyncio.Event]
+    # Whether another member's relay, by the relay deadline, held my own value: it reached someone else in time
+    # (``_relayed``).
+    echoed: bool = False
 
     @classmethod
     def of(cls, members: tuple[str, ...]) -> Values:
@@ -436,6 +439,7 @@ class GroupExchange(ABC):
         view = dict(values.held)
         await self._exchange(kind, {"relay": self._pack_relay(view)}, values.relays_in, deadlines[1])
         relays = {sender: dict(relay) for sender, relay in values.relays.items()}  # what came by the deadline
+        values.echoed = any(self.me in relay for sender, relay in relays.items() if sender != self.me)
         if self.signer is None:
             for sender, relay in relays.items():
                 for peer, value in relay.items():
@@ -488,15 +492,16 @@ class GroupExchange(ABC):
 
     async def _prove(self, kind: str, relayer: str, members: list[str], deadline: float) -> dict[str, Any] | None:
         """Ask ``relayer`` for the signed values it holds of ``members``; the proven ones, or None if it did not
-        answer in time."""
+        answer in time. A stream that breaks is asked again, as a report is: a live relayer's proof lost to one
+        broken stream would leave its value unproven here and proven on the members whose request went through,
+        and so the views apart (one counts a member's value the others found it equivocated with)."""
         assert self.signer is not None
-        timeout = deadline - asyncio.get_running_loop().time()
-        if timeout <= 0:
+        if deadline <= asyncio.get_running_loop().time():
             return None
         header = {**self.header, "kind": kind, "members": members}
         try:
-            _, body = await self.transport.call(
-                relayer, "proofs", header, timeout=timeout, max_reply=self._proofs_bound(len(members))
+            _, body = await call_retrying(
+                self.transport, relayer, "proofs", header, deadline, max_reply=self._proofs_bound(len(members))
             )
             held = msgpack.unpackb(body, raw=False, strict_map_key=True)
         except (PeerUnreachable, RpcTimeout, RemoteError):

@@ -233,6 +233,7 @@ def decide(
     heard: bool,
     reports: int,
     voters: dict[str, str] | None = None,
+    echoed: bool = True,
 ) -> Verdict:
     """The outcome of a round with others, from the data its members agreed on.
 
@@ -240,7 +241,8 @@ def decide(
     round, mine included); ``applied``: the agreed decision per slot; ``gossip``: a mixed group, ``mixes``: whether
     it mixed (the agreed decision), ``heard``: whether I heard another member in the state exchange (true when not
     mixed); ``reports``: the members in my view of the update exchange's reports; ``voters``: the digests of that
-    view that vote on the group's state (``Group.voters``; None: all of them).
+    view that vote on the group's state (``Group.voters``; None: all of them); ``echoed``: whether another
+    member's relay of the reports held mine.
     """
     # A gossip group that did not mix keeps the states its members came with: they differ by design, so nobody
     # has to confirm mine. The digests are still exchanged: a member that decided alone (cut off from the
@@ -260,9 +262,11 @@ def decide(
     # A member that heard no one's report decided alone: in a gossip round that did not mix nobody can confirm or
     # refute its state, so it counts itself diverged rather than trust a decision nobody shared. Likewise a member
     # that did not mix and holds the digests of half the group or fewer: the others may have mixed (their common
-    # digest would be a majority) without its hearing of it.
+    # digest would be a majority) without its hearing of it. And a member whose report no one relayed back to it:
+    # frozen through the reports, its report may have reached no one, so it decided with a report in its view
+    # that is in no other's, and no digest vote can show it (the states differ anyway).
     alone = reports < 2 or not heard
-    unmixed = not identical and not majority and not alone and len(digests) * 2 > group_size
+    unmixed = not identical and not majority and not alone and echoed and len(digests) * 2 > group_size
     if adopt and digest != agreed:
         holders = tuple(p for p, d in digests.items() if d == agreed and p != me)
         return Verdict(outcome, agreed, alone, resync=True, holders=holders)

@@ -69,14 +69,15 @@ times, and:
     at most the longest join timeout more (and a join call's slack and a gather timeout), and bans it from the
     next round on, unless it or the hostile member was frozen in the round (then it was held by the freeze); no
     member bans a peer for holding its join but the hostile one; and in a round where every member banned it and
-    no fault fired, the members end in one group.
+    no fault fired, the members end in one group (unless every one of them sits in, ``--sit-in``: none leads).
 
 With ``--sit-in`` some members of a round (none, some or all, from a generator of their own) have just caught up
 and sit in on it, as a node does: weight 0, and they never lead (``Matchmaker.form_group``). Then:
 
 (h) no group of two or more forms of members that all sit in (led by one of them, the outer momentum alone would
     move their theta_g off the state they caught up to); and in a round where no fault fired, every live member,
-    sitting in or not, ends in one group with the others, unless all of them sit in.
+    sitting in or not, ends in one group with the others (but one that another member banned), unless all of them
+    sit in or a hostile member that not every other member had banned was in the round.
 
 Replay one seed (prints every violation; ``--log INFO`` shows the members' logs):
 ``python -m swarmtrain.averaging.sim --seed 17 --rounds 2`` (add ``--cuts``, ``--joins``, ``--signed``,
@@ -541,6 +542,10 @@ async def simulate(seed: int, rounds: int = 2, modes: Modes = Modes()) -> list[s
             m.averager.me for m in live for p, kind in hostiles.items()
             if kind in HOLDS and m.averager.me != p and m.averager.matchmaker.bans.reason(p, m.averager.round) is None
         }  # fmt: skip
+        unbanned = any(
+            m.averager.me not in hostiles and m.averager.matchmaker.bans.reason(p, m.averager.round) is None
+            for m in live for p in hostiles if p in peers
+        )  # fmt: skip
         contributed = [_contribution(m.averager, d, w) for m, d, w in zip(live, deltas, weights, strict=True)]
         own = [m.averager.deadline_s() for m in live]
         plan = draw_faults(rng, peers, 3.0) + (draw_cut(cut_rng, peers) if modes.cuts else [])
@@ -563,7 +568,7 @@ async def simulate(seed: int, rounds: int = 2, modes: Modes = Modes()) -> list[s
         failed = failures(faults.fired) + late + hostile_live
         played = Played(
             live, outcomes, weights, contributed, before, buffers, own, list(faults.fired), set(faults.frozen),
-            banned, hostiles, trusting, sitting, codec, lr, momentum,
+            banned, hostiles, trusting, unbanned, sitting, codec, lr, momentum,
         )  # fmt: skip
         found = _check(played, aggregator.plain and not hostiles, failover, failed)
         found += _check_confirmed(played, second=late or (hostile_live and failed > 1))
@@ -596,6 +601,7 @@ class Played:
     banned: set[str]
     hostiles: dict[str, str]
     trusting: set[str]  # the members that did not ban a hostile member that holds joins (``HOLDS``) when it began
+    unbanned: bool  # a hostile member was in the round that some other member had not banned when it began
     sitting: set[str]
     codec: str
     lr: float
@@ -628,7 +634,14 @@ def _check(r: Played, plain_mean: bool, failover: float, failed: int) -> list[st
             found.append(f"(b) {me} took {o.duration_s:.2f} s, bound {bound + hold:.2f} s ({o.phases})")
         if wrong := set(bans.holds) - holders:
             found.append(f"(i) {me} banned {sorted(wrong)} for holding its join")
-    if holders and not r.trusting and not r.fired and len(split := {o.group.members for _, _, o in survivors}) > 1:
+    sat_in = {m.averager.me for _, m, _ in survivors} <= r.sitting  # every honest member: none of them leads
+    if (
+        holders
+        and not r.trusting
+        and not r.fired
+        and not sat_in
+        and len(split := {o.group.members for _, _, o in survivors}) > 1
+    ):
         found.append(f"(i) every member banned the hostile one, no fault fired, and they ended in groups {split}")
     confirmed = [(i, m, o) for i, m, o in survivors if o.outcome in ("applied", "fallback") and o.group.size > 1]
     # (c) one decision per slot, and on whether to mix, among the correct members (not frozen this round) that
@@ -745,12 +758,15 @@ def _check_confirmed(r: Played, second: bool) -> list[str]:
 
 def _check_sat_in(r: Played) -> list[str]:
     """(h) no group of two or more whose members all sit in; in a round where no fault fired, each live
-    member ends in one group with the others (but those another member banned), unless every one of them sits in."""
+    member ends in one group with the others (but those another member banned), unless every one of them sits in
+    or a hostile member was in the round that not every other member had banned (it may lead those that had not,
+    apart from those that had, as bans are each member's own: see (i))."""
     ended = {m.averager.me: o.group for m, o in zip(r.live, r.outcomes, strict=True) if isinstance(o, RoundOutcome)}
     found = [f"(h) {me} and the others sitting in formed a group {g.members}" for me, g in ended.items()
              if g.size > 1 and set(g.members) <= r.sitting]  # fmt: skip
-    peers = {me for me in ended if me not in r.banned}
-    if not r.fired and not peers <= r.sitting and any(set(ended[me].members) != peers for me in peers):
+    peers = {me for me in ended if me not in r.banned}  # a banned one may join them or be left out
+    groups = {ended[me].members for me in peers}
+    if not r.fired and not r.unbanned and not peers <= r.sitting and (len(groups) > 1 or not peers <= set(*groups)):
         found.append(
             f"(h) the live members {sorted(peers)} ended in groups {sorted({g.members for g in ended.values()})}"
         )
