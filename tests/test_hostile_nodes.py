@@ -237,8 +237,8 @@ def test_a_node_forging_records_for_every_peer_changes_no_round(swarm: Swarm) ->
 def test_an_outsider_that_keeps_trying_gets_nothing_from_a_private_swarm(swarm: Swarm, tmp_path: Path) -> None:
     """Three nodes of a private swarm and one without its key that does not stop when refused (attack.kind =
     outsider) and joins through the first: the swarm's rounds are all in groups of its 3 members with one digest,
-    and the outsider, refused at every call it makes (settings, join, state), trains alone; every member ignores
-    its record."""
+    and the outsider, refused at every call it makes (settings, join, state), trains alone and never takes the
+    swarm's state; every member ignores its record."""
     key = tmp_path / "swarm.key"
     subprocess.run([sys.executable, "-m", "swarmtrain", "keygen", "--swarm", str(key)], check=True)
     names = ["n0", "n1", "n2"]
@@ -263,7 +263,10 @@ def test_an_outsider_that_keeps_trying_gets_nothing_from_a_private_swarm(swarm: 
     # asks the lowest one to join every round, and is refused.
     if outsider != min([outsider, *(swarm.join_line(name).rsplit("/", 1)[-1] for name in names)]):
         assert f"rejected join: {refusal}" in log, log[-3000:]
-    assert "could not catch up with the swarm" in log, log[-3000:]  # no state served
+    # No state served: it never takes the swarm's. Whether it asks depends on its DHT lookups: a view that still
+    # holds the members after a round of one sends it to catch up, refused ("could not catch up"); a view of only
+    # itself (the members' records not refreshed to it in time, once in CI) leaves it training solo.
+    assert "caught up with the swarm at round" not in log, log[-3000:]
     for name in names:
         assert f"ignoring the record of {outsider[-8:]}: not sealed with this private swarm's key" in swarm.log(name)
     swarm_digests = {d for ds in digests_by_round(swarm, names).values() for d in ds.values()}
