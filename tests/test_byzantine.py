@@ -381,6 +381,35 @@ async def test_a_leader_that_holds_its_joiners_is_banned_in_steps_and_the_others
         )
 
 
+async def test_a_member_that_banned_the_holder_is_not_held_by_it_through_a_peer_that_follows_it() -> None:
+    """The lowest peer id holds every join (hold); peer 1 has not banned it, peer 2 has. Peer 2's first candidate,
+    peer 1, follows the holder and sends peer 2 on to it: peer 2 asked it and was held its whole join timeout
+    (found by ``sim --attack hold --sit-in``, seed 2101272). Now it never asks a peer it bans and asks peer 1 again
+    until peer 1 gives up on the holder and leads: the two meet, and peer 2 is not held."""
+    averagers = make_group("mean", "hold", members=3, hostile=1, hostile_first=True)
+    holder, honest = averagers[0], averagers[1:]
+    for a, join_timeout in zip(honest, [2.0, 10.0], strict=True):
+        a.matchmaker.bans.rounds = 20
+        a.matchmaker.join_timeout = join_timeout
+    honest[1].matchmaker.bans.held({holder.me}, -1)  # it held peer 2's join the round before
+    asked = []
+    net = holder.transport.network
+    net.before_call = lambda src, dst, method, header: asked.append((src, dst)) if method == "join" else None
+    for a in averagers:
+        await a.start()
+    peers, loop = [a.me for a in averagers], asyncio.get_running_loop()
+    deltas = [torch.randn(NUMEL, generator=torch.Generator().manual_seed(i)) for i in range(2)]
+    began = loop.time()
+    outcomes = await asyncio.gather(
+        *(a.run_round(d, 1.0, leader_candidates(peers, a.me, 16, "test", a.round), set(peers), gather_timeout=1.0)
+          for a, d in zip(honest, deltas, strict=True))
+    )  # fmt: skip
+    assert (honest[0].me, holder.me) in asked and (honest[1].me, holder.me) not in asked, asked
+    assert all(o.group.members == (honest[0].me, honest[1].me) and o.outcome == "applied" for o in outcomes), outcomes
+    assert (holder.me, "held") not in [m[:2] for m in honest[1].matchmaker.misses]
+    assert loop.time() - began < honest[1].matchmaker.join_timeout, outcomes
+
+
 async def equivocation_round(signed: bool) -> tuple[list[Averager], list[RoundOutcome]]:
     """One round in which both hostile members tell every second member other reports and digests."""
     averagers = make_group("centered-clip", "equivocate", signed=signed)

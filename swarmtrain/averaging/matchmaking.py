@@ -294,7 +294,10 @@ class Matchmaker:
         if banned:
             candidates = [c for c in candidates if c not in banned]
             expected = expected - banned.keys()
-        queue, tried, broken = list(candidates), set() if lead else {self.me}, set()
+        # A peer I ban is not asked, not even where a candidate sends me on to it: I ask that candidate again (one
+        # that held my join last round held me again through an honest peer that had not banned it yet).
+        queue, tried = list(candidates), {*banned, *(() if lead else (self.me,))}
+        broken: dict[str, float] = {}  # the candidates whose stream broke, and when I first asked each
         sent_on: Counter[str] = Counter()  # how often each candidate sent me on to a peer I had not asked yet
         loop = asyncio.get_running_loop()
         self.misses = []
@@ -319,9 +322,11 @@ class Matchmaker:
             request = {**self.header, "round": round_, "weight": weight, "digest": digest, "cap_s": cap_s}
             if cert is not None:
                 request["cert"] = cert
-            asked = loop.time()
+            # Asked again after a broken stream, a candidate gets only the rest of my first ask's join timeout:
+            # a peer that holds me is given up on (and banned) one join timeout after I first asked, not two.
+            asked = broken.get(candidate, loop.time())
             try:
-                answer = await self._join(candidate, request)
+                answer = await self._join(candidate, request, self.join_timeout - (loop.time() - asked))
             except (PeerUnreachable, RpcTimeout, RemoteError) as exc:
                 if isinstance(exc, RemoteError) and exc.code == "incompatible":
                     raise IncompatibleSwarm(
@@ -338,7 +343,7 @@ class Matchmaker:
                 if isinstance(exc, PeerUnreachable) and candidate not in broken:
                     # The stream broke, maybe after the leader put me in its group: ask once more (a leader
                     # answers a repeated join with the group it formed), or the group waits for me in vain.
-                    broken.add(candidate)
+                    broken[candidate] = asked
                     tried.discard(candidate)
                     queue.insert(0, candidate)
                     await asyncio.sleep(0.2)
@@ -387,10 +392,11 @@ class Matchmaker:
         self.bans.held({candidate}, round_)
         return asyncio.get_running_loop().time() + HELD_WAIT * self.join_timeout
 
-    async def _join(self, leader: str, request: dict[str, Any]) -> dict[str, Any]:
-        """Long-poll the leader, pinging it meanwhile: a leader that stops answering pings is given up on
-        at once instead of after the whole join timeout (its daemon may linger after the process died)."""
-        timeout = self.join_timeout + JOIN_SLACK_S
+    async def _join(self, leader: str, request: dict[str, Any], wait_s: float) -> dict[str, Any]:
+        """Long-poll the leader for up to ``wait_s`` (past which it is late, ``JOIN_SLACK_S``), pinging it meanwhile:
+        a leader that stops answering pings is given up on at once instead of after the whole wait (its daemon may
+        linger after the process died)."""
+        timeout = max(wait_s, 0.0) + JOIN_SLACK_S
         call = asyncio.ensure_future(self.transport.call(leader, "join", request, timeout=timeout))
         loop = asyncio.get_running_loop()
         misses, ping_at = 0, loop.time() + PING_EVERY_S

@@ -65,11 +65,13 @@ With ``--attack hold`` or ``ask-again`` (a hostile member that holds every join,
 again) the members' join timeouts are drawn from ``JOIN_TIMEOUTS``, so that they give up on it at different
 times, and:
 
-(i) a member that stayed in a round past its bound (b) did not ban the hostile member when the round began, stayed
-    at most the longest join timeout more (and a join call's slack and a gather timeout), and bans it from the
-    next round on, unless it or the hostile member was frozen in the round (then it was held by the freeze); no
-    member bans a peer for holding its join but the hostile one; and in a round where every member banned it and
-    no fault fired, the members end in one group (unless every one of them sits in, ``--sit-in``: none leads).
+(i) a member stays in a round past its bound (b) only where some member did not ban the hostile member when the
+    round began (it holds that one, and through it those whose candidates follow it), and at most the longest join
+    timeout more (and a join call's slack and a gather timeout); one that had not banned it and stayed past its
+    bound bans it from the next round on, unless it or the hostile member was frozen in the round (then it was
+    held by the freeze); no member bans a peer for holding its join but the hostile one; and in a round where every
+    member banned it and no fault fired, the members end in one group (unless every one of them sits in,
+    ``--sit-in``: none leads).
 
 With ``--sit-in`` some members of a round (none, some or all, from a generator of their own) have just caught up
 and sit in on it, as a node does: weight 0, and they never lead (``Matchmaker.form_group``). Then:
@@ -626,9 +628,12 @@ def _check(r: Played, plain_mean: bool, failover: float, failed: int) -> list[st
         bound = GATHER_S + failover + budget + ((2 if o.group.mixed else 1) + DIGEST_SHARE + 1) * budget + 0.5
         bans, me = m.averager.matchmaker.bans, m.averager.me
         hold = 0.0
-        if me in r.trusting and o.duration_s > bound:
-            hold = max(JOIN_TIMEOUTS) + JOIN_SLACK_S + GATHER_S  # until the last one gives up on it (``_held``)
-            if not r.frozen & {me, *holders} and not any(bans.reason(p, o.round + 1) for p in holders):
+        if r.trusting and o.duration_s > bound:
+            # Until the last one gives up on it (``_held``); a member that had banned it waits as long for a
+            # candidate that follows it (it asks that one again until its retry window closes).
+            hold = max(JOIN_TIMEOUTS) + JOIN_SLACK_S + GATHER_S
+            bans_none = not any(bans.reason(p, o.round + 1) for p in holders)
+            if me in r.trusting and not r.frozen & {me, *holders} and bans_none:
                 found.append(f"(i) {me} was held {o.duration_s - bound:.2f} s past its bound but bans no one")
         if o.duration_s > bound + hold:
             found.append(f"(b) {me} took {o.duration_s:.2f} s, bound {bound + hold:.2f} s ({o.phases})")
