@@ -7,7 +7,8 @@ then answers every waiting joiner with the same member list and weights. A membe
 unreachable tries the next candidate; a member asked to lead while it follows someone else redirects the
 asker. A joiner follows one candidate's redirects to peers it has not asked at most ``SENT_ON`` times a round: a
 hostile candidate could send it on to made-up peers without end. A leader that held a joiner to its join timeout,
-or told it to ask again until its retry window closed, is banned by it in steps (``_held``). Because one peer
+or told it to ask again until its retry window closed, is banned by it in steps (``_held``); a joiner asks no peer
+it bans, not even one a candidate sends it on to (it asks that candidate again). Because one peer
 decides each group, all its members agree on it, even when views of the swarm differ.
 
 A member that holds the group answers a join from another member with it too. A leader that froze (SIGSTOP) after

@@ -78,8 +78,9 @@ and sit in on it, as a node does: weight 0, and they never lead (``Matchmaker.fo
 
 (h) no group of two or more forms of members that all sit in (led by one of them, the outer momentum alone would
     move their theta_g off the state they caught up to); and in a round where no fault fired, every live member,
-    sitting in or not, ends in one group with the others (but one that another member banned), unless all of them
-    sit in or a hostile member that not every other member had banned was in the round.
+    sitting in or not, ends in one group with the others (but one that another member banned, and an honest one
+    that banned another honest one: it joins no group that one leads), unless all of them sit in or a hostile member
+    that not every other member had banned was in the round.
 
 Replay one seed (prints every violation; ``--log INFO`` shows the members' logs):
 ``python -m swarmtrain.averaging.sim --seed 17 --rounds 2`` (add ``--cuts``, ``--joins``, ``--signed``,
@@ -540,6 +541,11 @@ async def simulate(seed: int, rounds: int = 2, modes: Modes = Modes()) -> list[s
         before = [(m.averager.outer.theta.clone(), _residual(m.averager).clone()) for m in live]
         buffers = [m.averager.outer.buf.clone() if m.averager.outer.buf is not None else None for m in live]
         banned = {p for m in live for p in m.averager.matchmaker.bans.active(m.averager.round)}
+        honest = set(peers) - hostiles.keys()
+        banning = {
+            m.averager.me for m in live
+            if m.averager.me in honest and honest & m.averager.matchmaker.bans.active(m.averager.round).keys()
+        }  # fmt: skip
         trusting = {
             m.averager.me for m in live for p, kind in hostiles.items()
             if kind in HOLDS and m.averager.me != p and m.averager.matchmaker.bans.reason(p, m.averager.round) is None
@@ -561,8 +567,10 @@ async def simulate(seed: int, rounds: int = 2, modes: Modes = Modes()) -> list[s
         context = f"{setup}; round {round_}: weights {weights}; faults {faults.fired}"
         for m in live:
             m.alive = m.averager.me not in net.dead
-        # A member the frozen leader did not answer may wait out its pings before it leads (README: the bound).
-        failover = LEADER_FAILOVER_S if any(f.startswith("freeze-answer") for f in faults.fired) else 0.0
+        # A member the frozen leader did not answer may wait out its pings before it leads (README: the bound): a
+        # leader frozen as it answered the joins, or by any call of its while it gathered them (seed 2701176: by a
+        # report to a dead member left from the round before, 0.1 s past a bound without it).
+        failover = LEADER_FAILOVER_S if any(f.startswith(("freeze-answer", "freeze ")) for f in faults.fired) else 0.0
         observers = {p for p, w in zip(peers, weights, strict=True) if w == 0}
         late = _answered_late(live, faults.fired, observers)
         # A hostile member in the round is a failure of its own: with another, (c) and (e) are not checked.
@@ -570,7 +578,7 @@ async def simulate(seed: int, rounds: int = 2, modes: Modes = Modes()) -> list[s
         failed = failures(faults.fired) + late + hostile_live
         played = Played(
             live, outcomes, weights, contributed, before, buffers, own, list(faults.fired), set(faults.frozen),
-            banned, hostiles, trusting, unbanned, sitting, codec, lr, momentum,
+            banned, banning, hostiles, trusting, unbanned, sitting, codec, lr, momentum,
         )  # fmt: skip
         found = _check(played, aggregator.plain and not hostiles, failover, failed)
         found += _check_confirmed(played, second=late or (hostile_live and failed > 1))
@@ -601,6 +609,7 @@ class Played:
     fired: list[str]
     frozen: set[str]
     banned: set[str]
+    banning: set[str]  # the honest members that banned another live honest one when it began (see (h))
     hostiles: dict[str, str]
     trusting: set[str]  # the members that did not ban a hostile member that holds joins (``HOLDS``) when it began
     unbanned: bool  # a hostile member was in the round that some other member had not banned when it began
@@ -763,13 +772,14 @@ def _check_confirmed(r: Played, second: bool) -> list[str]:
 
 def _check_sat_in(r: Played) -> list[str]:
     """(h) no group of two or more whose members all sit in; in a round where no fault fired, each live
-    member ends in one group with the others (but those another member banned), unless every one of them sits in
-    or a hostile member was in the round that not every other member had banned (it may lead those that had not,
-    apart from those that had, as bans are each member's own: see (i))."""
+    member ends in one group with the others (but those another member banned, and an honest one that banned another:
+    it joins no group that one leads), unless every one of them sits in or a hostile member was in the round that not
+    every other member had banned (it may lead those that had not, apart from those that had, as bans are each
+    member's own: see (i))."""
     ended = {m.averager.me: o.group for m, o in zip(r.live, r.outcomes, strict=True) if isinstance(o, RoundOutcome)}
     found = [f"(h) {me} and the others sitting in formed a group {g.members}" for me, g in ended.items()
              if g.size > 1 and set(g.members) <= r.sitting]  # fmt: skip
-    peers = {me for me in ended if me not in r.banned}  # a banned one may join them or be left out
+    peers = {me for me in ended if me not in r.banned | r.banning}  # they may join the others or be left out
     groups = {ended[me].members for me in peers}
     if not r.fired and not r.unbanned and not peers <= r.sitting and (len(groups) > 1 or not peers <= set(*groups)):
         found.append(
