@@ -126,6 +126,9 @@ FOUND_HELD = [(1202, "hold"), (1323, "ask-again")]
 # (2100102; a join asked again now gets only the rest of the first one's); a member that had banned the holder
 # asked it all the same where a candidate that had not banned it sent it on to it, and was held (2101272).
 FOUND_HELD_SITTING_IN = [(2100051, "hold"), (2100019, "ask-again"), (2100102, "hold"), (2101272, "hold")]
+# Eight rounds (``--seed 2800000 --count 800 --rounds 8 --cuts --joins --sit-in``, with either attack), the check's
+# flaw of (h) in (i): it wanted a member that had banned an honest one in that one's group.
+FOUND_HELD_EIGHT_ROUNDS = [2800346, 2800494]
 
 
 # A run of POOL_FROM seeds or more uses every core (a pool takes about a second to start; a seed tens of
@@ -215,6 +218,7 @@ def test_40_four_round_seeds_with_a_member_that_holds_its_joiners_keep_every_rou
           joins=True)  # fmt: skip
     check([seed for seed, kind in FOUND_HELD_SITTING_IN if kind == attack], rounds=4, hostile=True, attack=attack,
           cuts=True, joins=True, sit_in=True)  # fmt: skip
+    check(FOUND_HELD_EIGHT_ROUNDS, rounds=8, hostile=True, attack=attack, cuts=True, joins=True, sit_in=True)
 
 
 def test_the_hold_check_sees_members_held_every_round_where_no_ban_ends_it(monkeypatch: pytest.MonkeyPatch) -> None:

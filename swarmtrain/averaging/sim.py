@@ -71,7 +71,7 @@ times, and:
     bound bans it from the next round on, unless it or the hostile member was frozen in the round (then it was
     held by the freeze); no member bans a peer for holding its join but the hostile one; and in a round where every
     member banned it and no fault fired, the members end in one group (unless every one of them sits in,
-    ``--sit-in``: none leads).
+    ``--sit-in``: none leads), but an honest one that banned another and the one it banned, as in (h).
 
 With ``--sit-in`` some members of a round (none, some or all, from a generator of their own) have just caught up
 and sit in on it, as a node does: weight 0, and they never lead (``Matchmaker.form_group``). Then:
@@ -654,7 +654,8 @@ def _check(r: Played, plain_mean: bool, failover: float, failed: int) -> list[st
         and not r.trusting
         and not r.fired
         and not sat_in
-        and len(split := {o.group.members for _, _, o in survivors}) > 1
+        # An honest member that banned another, and the one it banned, may end apart from the others, as in (h).
+        and len(split := {o.group.members for _, m, o in survivors if m.averager.me not in r.banned | r.banning}) > 1
     ):
         found.append(f"(i) every member banned the hostile one, no fault fired, and they ended in groups {split}")
     confirmed = [(i, m, o) for i, m, o in survivors if o.outcome in ("applied", "fallback") and o.group.size > 1]
