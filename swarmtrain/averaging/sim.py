@@ -618,6 +618,11 @@ class Played:
     lr: float
     momentum: float
 
+    def apart(self) -> set[str]:
+        """The members that may end apart from the others (checks (h) and (i)): one that another member banned, and
+        an honest one that banned another honest one (it joins no group that one leads)."""
+        return self.banned | self.banning
+
 
 def _check(r: Played, plain_mean: bool, failover: float, failed: int) -> list[str]:
     found = []
@@ -649,13 +654,13 @@ def _check(r: Played, plain_mean: bool, failover: float, failed: int) -> list[st
         if wrong := set(bans.holds) - holders:
             found.append(f"(i) {me} banned {sorted(wrong)} for holding its join")
     sat_in = {m.averager.me for _, m, _ in survivors} <= r.sitting  # every honest member: none of them leads
+    apart = r.apart()  # they may end apart from the others, as in (h)
     if (
         holders
         and not r.trusting
         and not r.fired
         and not sat_in
-        # An honest member that banned another, and the one it banned, may end apart from the others, as in (h).
-        and len(split := {o.group.members for _, m, o in survivors if m.averager.me not in r.banned | r.banning}) > 1
+        and len(split := {o.group.members for _, m, o in survivors if m.averager.me not in apart}) > 1
     ):
         found.append(f"(i) every member banned the hostile one, no fault fired, and they ended in groups {split}")
     confirmed = [(i, m, o) for i, m, o in survivors if o.outcome in ("applied", "fallback") and o.group.size > 1]
@@ -780,7 +785,7 @@ def _check_sat_in(r: Played) -> list[str]:
     ended = {m.averager.me: o.group for m, o in zip(r.live, r.outcomes, strict=True) if isinstance(o, RoundOutcome)}
     found = [f"(h) {me} and the others sitting in formed a group {g.members}" for me, g in ended.items()
              if g.size > 1 and set(g.members) <= r.sitting]  # fmt: skip
-    peers = {me for me in ended if me not in r.banned | r.banning}  # they may join the others or be left out
+    peers = set(ended) - r.apart()
     groups = {ended[me].members for me in peers}
     if not r.fired and not r.unbanned and not peers <= r.sitting and (len(groups) > 1 or not peers <= set(*groups)):
         found.append(
